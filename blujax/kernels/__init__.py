@@ -1,0 +1,9 @@
+"""The hot operations as XLA FFI custom calls (our CPU and CUDA kernels), each differentiable.
+
+`blujax.kernels.xla` holds the same ops written in jnp: the specification, the test oracle and
+the plain-XLA side of every benchmark. A model takes either namespace as its `ops`.
+"""
+
+from blujax.kernels.layernorm import add_layer_norm, layer_norm
+
+__all__ = ["add_layer_norm", "layer_norm"]

@@ -1,0 +1,39 @@
+"""Test set-up: 8 emulated CPU devices for the sharded tests, and a header that says which
+kernels run (our CUDA kernels whenever JAX runs on a GPU, the CPU kernels otherwise)."""
+
+import os
+
+# Before JAX starts a backend: the CPU platform gets 8 devices, so shard_map tests run on a
+# laptop or CI; on a GPU machine the GPUs are unaffected.
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import blujax  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_report_header(config):
+    return (
+        f"blujax kernels loaded: {blujax.kernel_backends()}; JAX backend: "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind}); the tests exercise the "
+        f"{'CUDA' if ON_GPU else 'CPU'} kernels"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs JAX on a CUDA GPU with blujax._cuda")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    # A different, reproducible stream per test.
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (2**32))

@@ -1,0 +1,44 @@
+"""Helpers shared by the kernel tests."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Tolerances by dtype, relative to the largest magnitude of the reference: float32 kernels
+# differ from XLA only in summation order; bfloat16 results differ by about one rounding step
+# (2^-8 relative).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.6e-2, jnp.float64: 1e-12}
+
+
+def randn(rng, shape, dtype, scale=1.0, shift=0.0):
+    """Random normal data (never zeros) of a dtype."""
+    return jnp.asarray(rng.standard_normal(shape) * scale + shift, dtype=dtype)
+
+
+def assert_close(actual, expected, dtype, factor=1.0):
+    """|actual - expected| <= tol * (|expected| + max |expected|), elementwise."""
+    a, e = (np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v, np.float64)
+            for v in (actual, expected))
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert np.all(np.isfinite(a)), "result has NaN or inf"
+    tol = TOL[jnp.dtype(dtype).type] * factor
+    scale = np.max(np.abs(e)) if e.size else 0.0
+    bad = np.abs(a - e) > tol * (np.abs(e) + scale)
+    assert not bad.any(), (
+        f"{bad.sum()} of {a.size} elements differ; worst |diff| "
+        f"{np.max(np.abs(a - e)):.3e} (max |expected| {scale:.3e}, tol {tol:.1e})"
+    )
+
+
+@contextlib.contextmanager
+def cpu_float64():
+    """Run on the CPU kernels with float64 enabled (for check_grads)."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def mesh_devices():
+    """The devices a sharded test spreads over: the GPUs on a GPU machine, else 8 CPUs."""
+    return jax.devices()

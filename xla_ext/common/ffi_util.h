@@ -1,0 +1,85 @@
+// Helpers shared by every handler, CPU and CUDA: argument checks that return ffi::Error with a
+// message a user can act on, and dtype names.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace blujax {
+
+namespace ffi = xla::ffi;
+
+// Return early from a handler when a check fails.
+#define BLUJAX_RETURN_IF_ERROR(expr)          \
+  do {                                        \
+    ::xla::ffi::Error blujax_err_ = (expr);   \
+    if (blujax_err_.failure()) return blujax_err_; \
+  } while (0)
+
+template <typename... Parts>
+inline ffi::Error InvalidArgument(const Parts&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  return ffi::Error::InvalidArgument(out.str());
+}
+
+inline const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U16: return "uint16";
+    default: return "an unsupported dtype";
+  }
+}
+
+// Shape as "[2, 3, 768]" for messages.
+inline std::string ShapeString(const ffi::AnyBuffer& b) {
+  std::ostringstream out;
+  out << "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) out << (i ? ", " : "") << dims[i];
+  out << "]";
+  return out.str();
+}
+
+inline int64_t LastDim(const ffi::AnyBuffer& b) {
+  auto dims = b.dimensions();
+  return dims.size() == 0 ? 1 : dims.back();
+}
+
+inline ffi::Error CheckDtype(const char* op, const char* name, const ffi::AnyBuffer& b,
+                             ffi::DataType want) {
+  if (b.element_type() != want)
+    return InvalidArgument(op, ": ", name, " must be ", DtypeName(want), ", got ",
+                           DtypeName(b.element_type()));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckCount(const char* op, const char* name, const ffi::AnyBuffer& b,
+                             int64_t want) {
+  if (static_cast<int64_t>(b.element_count()) != want)
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b), " (",
+                           b.element_count(), " elements), expected ", want, " elements");
+  return ffi::Error::Success();
+}
+
+// Same dtype and element count as `like`.
+inline ffi::Error CheckLike(const char* op, const char* name, const ffi::AnyBuffer& b,
+                            const char* like_name, const ffi::AnyBuffer& like) {
+  if (b.element_type() != like.element_type())
+    return InvalidArgument(op, ": ", name, " is ", DtypeName(b.element_type()), " but ",
+                           like_name, " is ", DtypeName(like.element_type()));
+  if (b.element_count() != like.element_count())
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b), " but ", like_name,
+                           " has shape ", ShapeString(like));
+  return ffi::Error::Success();
+}
+
+}  // namespace blujax

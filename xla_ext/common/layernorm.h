@@ -1,0 +1,87 @@
+// The LayerNorm handler contract, shared by xla_ext/cpu/layernorm.cc and xla_ext/cuda/layernorm.cu.
+//
+// blujax_layer_norm_fwd      (x, weight, bias)               -> (y, mean, rstd)
+// blujax_add_layer_norm_fwd  (x, residual, weight, bias)     -> (y, sum, mean, rstd)
+// blujax_layer_norm_bwd      (dy, x, weight, mean, rstd)     -> (dx, dweight, dbias, workspace)
+// blujax_add_layer_norm_bwd  (dy, dsum, sum, weight, mean, rstd)
+//                                                            -> (dx, dweight, dbias, workspace)
+// x is [..., C] and normalised over its last axis; weight and bias hold C elements (leading
+// size-1 axes allowed, which is what vmap's "expand_dims" produces); mean and rstd hold one
+// value per row, float32 (float64 for float64 x). The add variant normalises sum = x + residual
+// (rounded to x's dtype) and returns sum too. workspace is float32 [P, 2, C]: the CUDA backward
+// writes per-block partial dweight/dbias there before a small reduction over blocks (scratch as
+// an output keeps the handler CUDA-graph safe); the CPU backward does not need it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/ffi_util.h"
+
+namespace blujax {
+
+struct RowsCols {
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+inline ffi::DataType LayerNormStatType(ffi::DataType x) {
+  return x == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+inline ffi::Error CheckLayerNormInput(const char* op, const ffi::AnyBuffer& x, bool allow_f64,
+                                      RowsCols* rc) {
+  auto t = x.element_type();
+  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
+            (allow_f64 && t == ffi::DataType::F64);
+  if (!ok)
+    return InvalidArgument(op, ": unsupported dtype ", DtypeName(t), " (this backend supports ",
+                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
+  if (x.dimensions().size() < 1) return InvalidArgument(op, ": x must have rank >= 1");
+  rc->cols = LastDim(x);
+  if (rc->cols < 1) return InvalidArgument(op, ": the normalised axis is empty (x has shape ",
+                                           ShapeString(x), ")");
+  if (rc->cols > (int64_t{1} << 30)) return InvalidArgument(op, ": last axis too large");
+  rc->rows = static_cast<int64_t>(x.element_count()) / rc->cols;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckLayerNormParam(const char* op, const char* name, const ffi::AnyBuffer& p,
+                                      const ffi::AnyBuffer& x, int64_t cols) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, p, x.element_type()));
+  if (static_cast<int64_t>(p.element_count()) != cols || (p.dimensions().size() != 0 &&
+                                                          p.dimensions().back() != cols))
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(p), " but x has ", cols,
+                           " features (shape ", ShapeString(x), ")");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckLayerNormStats(const char* op, const ffi::AnyBuffer& mean,
+                                      const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& x,
+                                      int64_t rows) {
+  auto st = LayerNormStatType(x.element_type());
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "mean", mean, st));
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "rstd", rstd, st));
+  BLUJAX_RETURN_IF_ERROR(CheckCount(op, "mean", mean, rows));
+  return CheckCount(op, "rstd", rstd, rows);
+}
+
+inline ffi::Error CheckEps(const char* op, float eps) {
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return InvalidArgument(op, ": eps must be finite and >= 0, got ", eps);
+  return ffi::Error::Success();
+}
+
+// Returns the number of partial rows P the workspace holds.
+inline ffi::Error CheckLayerNormWorkspace(const char* op, const ffi::AnyBuffer& ws, int64_t cols,
+                                          int64_t* partials) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "workspace", ws, ffi::DataType::F32));
+  int64_t n = static_cast<int64_t>(ws.element_count());
+  if (n < 2 * cols || n % (2 * cols) != 0)
+    return InvalidArgument(op, ": workspace must hold P x 2 x ", cols, " float32, got shape ",
+                           ShapeString(ws));
+  *partials = n / (2 * cols);
+  return ffi::Error::Success();
+}
+
+}  // namespace blujax

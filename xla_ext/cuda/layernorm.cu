@@ -1,0 +1,558 @@
+// LayerNorm on the GPU (float32 and bfloat16, float32 statistics); the CPU twin is
+// xla_ext/cpu/layernorm.cc and the handler contract common/layernorm.h.
+//
+// Memory-bound, so the design is about bytes: each row is read once into registers in 16-byte
+// packs by a group of kGroup threads (a warp for C <= 1024 float32, wider groups for wider rows),
+// the two reductions (mean, then variance around it) run on the registers, and the output is
+// written once. The backward reads dy and x once, writes dx, and keeps each thread's share of
+// dweight/dbias in registers across all the rows its group visits; blocks leave one partial row
+// each in the workspace and a second, small kernel sums those. Rows whose width or alignment
+// does not allow 16-byte packs, or wider than the register budget, take a plain block-per-row
+// path that re-reads the row from memory (correct for any shape, not tuned).
+
+#include <algorithm>
+
+#include "common/cuda_util.cuh"
+#include "common/layernorm.h"
+#include "common/registry.h"
+
+namespace blujax {
+namespace {
+
+constexpr int kBlock = 256;         // threads per block, unless one row's group is wider
+constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
+constexpr int kBwdFloats = 16;      // backward keeps dy, x, dweight and dbias: four times this
+
+template <int kGroup> constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
+
+// ----------------------------------------------------------------------------------------------
+// Forward, register path: one row per group of kGroup threads, kVecs packs per thread.
+template <typename T, int kGroup, int kVecs>
+__global__ void __launch_bounds__(BlockFor<kGroup>())
+LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
+                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
+                   T* __restrict__ sum, float* __restrict__ mean, float* __restrict__ rstd,
+                   int64_t rows, int cols, float eps) {
+  constexpr int kPack = Pack<T>::kSize;
+  constexpr int kGroups = BlockFor<kGroup>() / kGroup;
+  __shared__ float red[2 * BlockFor<kGroup>() / 32];
+  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  const int packs = cols / kPack;
+  const float inv_cols = 1.f / cols;
+
+  // The loop bound is the same for the whole block, so the group reductions may synchronise it.
+  for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
+       base += int64_t(gridDim.x) * kGroups) {
+    const int64_t row = base + group;
+    const bool valid = row < rows;
+    float v[kVecs][kPack];
+    float s = 0.f, unused = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (valid && p < packs) {
+        const int64_t off = row * cols + int64_t(p) * kPack;
+        Pack<T> a = LoadPack(x + off);
+        if (residual) {
+          Pack<T> r = LoadPack(residual + off);
+#pragma unroll
+          for (int k = 0; k < kPack; ++k) a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(r.v[k]));
+          StorePack(sum + off, a);  // rounded to T: the statistics are those of the sum returned
+        }
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          v[i][k] = ToFloat(a.v[k]);
+          s += v[i][k];
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[i][k] = 0.f;
+      }
+    }
+    GroupSum2<kGroup>(s, unused, red);
+    const float m = s * inv_cols;
+    float q = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (valid && lane + i * kGroup < packs) {
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) q += (v[i][k] - m) * (v[i][k] - m);
+      }
+    }
+    GroupSum2<kGroup>(q, unused, red);
+    const float rs = rsqrtf(q * inv_cols + eps);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (valid && p < packs) {
+        const Pack<T> w = LoadPack(weight + p * kPack), b = LoadPack(bias + p * kPack);
+        Pack<T> out;
+#pragma unroll
+        for (int k = 0; k < kPack; ++k)
+          out.v[k] = FromFloat<T>((v[i][k] - m) * rs * ToFloat(w.v[k]) + ToFloat(b.v[k]));
+        StorePack(y + row * cols + int64_t(p) * kPack, out);
+      }
+    }
+    if (valid && lane == 0) {
+      mean[row] = m;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// Forward, any shape: a block per row, three passes over the row in memory.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
+                      const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
+                      T* sum, float* __restrict__ mean, float* __restrict__ rstd,
+                      int64_t rows, int cols, float eps) {
+  __shared__ float red[2 * kBlock / 32];
+  const float inv_cols = 1.f / cols;
+  // Pass 2 and 3 read the row from `sum` for the add variant: each thread reads back only the
+  // elements it wrote itself, so no barrier is needed for them.
+  const T* src = residual ? sum : x;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t off = row * cols;
+    float s = 0.f, unused = 0.f;
+    for (int c = threadIdx.x; c < cols; c += kBlock) {
+      T a = x[off + c];
+      if (residual) {
+        a = FromFloat<T>(ToFloat(a) + ToFloat(residual[off + c]));
+        sum[off + c] = a;
+      }
+      s += ToFloat(a);
+    }
+    GroupSum2<kBlock>(s, unused, red);
+    const float m = s * inv_cols;
+    float q = 0.f;
+    for (int c = threadIdx.x; c < cols; c += kBlock) {
+      const float d = ToFloat(src[off + c]) - m;
+      q += d * d;
+    }
+    GroupSum2<kBlock>(q, unused, red);
+    const float rs = rsqrtf(q * inv_cols + eps);
+    for (int c = threadIdx.x; c < cols; c += kBlock)
+      y[off + c] = FromFloat<T>((ToFloat(src[off + c]) - m) * rs * ToFloat(weight[c]) +
+                                ToFloat(bias[c]));
+    if (threadIdx.x == 0) {
+      mean[row] = m;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward, register path. Each block leaves its partial dweight, dbias in ws[blockIdx.x].
+template <typename T, int kGroup, int kVecs>
+__global__ void __launch_bounds__(BlockFor<kGroup>())
+LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
+                   const T* __restrict__ weight, const float* __restrict__ mean,
+                   const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
+                   int64_t rows, int cols) {
+  constexpr int kPack = Pack<T>::kSize;
+  constexpr int kGroups = BlockFor<kGroup>() / kGroup;
+  __shared__ float red[2 * BlockFor<kGroup>() / 32];
+  extern __shared__ float acc[];  // [2, cols], only when several groups share the block
+  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  const int packs = cols / kPack;
+  const float inv_cols = 1.f / cols;
+
+  float dw[kVecs][kPack], db[kVecs][kPack];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i)
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) dw[i][k] = db[i][k] = 0.f;
+  if constexpr (kGroups > 1) {
+    for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) acc[c] = 0.f;
+  }
+
+  for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
+       base += int64_t(gridDim.x) * kGroups) {
+    const int64_t row = base + group;
+    const bool valid = row < rows;
+    const float m = valid ? mean[row] : 0.f, rs = valid ? rstd[row] : 0.f;
+    float g[kVecs][kPack], xhat[kVecs][kPack];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (valid && p < packs) {
+        const int64_t off = row * cols + int64_t(p) * kPack;
+        const Pack<T> d = LoadPack(dy + off), a = LoadPack(x + off);
+        const Pack<T> w = LoadPack(weight + p * kPack);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          const float dd = ToFloat(d.v[k]);
+          xhat[i][k] = (ToFloat(a.v[k]) - m) * rs;
+          g[i][k] = dd * ToFloat(w.v[k]);
+          sum_g += g[i][k];
+          sum_gx += g[i][k] * xhat[i][k];
+          dw[i][k] += dd * xhat[i][k];
+          db[i][k] += dd;
+        }
+      }
+    }
+    GroupSum2<kGroup>(sum_g, sum_gx, red);
+    const float mg = sum_g * inv_cols, mgx = sum_gx * inv_cols;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (valid && p < packs) {
+        const int64_t off = row * cols + int64_t(p) * kPack;
+        Pack<T> out;
+        if (dsum) {
+          const Pack<T> ds = LoadPack(dsum + off);
+#pragma unroll
+          for (int k = 0; k < kPack; ++k)
+            out.v[k] = FromFloat<T>(rs * (g[i][k] - mg - xhat[i][k] * mgx) + ToFloat(ds.v[k]));
+        } else {
+#pragma unroll
+          for (int k = 0; k < kPack; ++k)
+            out.v[k] = FromFloat<T>(rs * (g[i][k] - mg - xhat[i][k] * mgx));
+        }
+        StorePack(dx + off, out);
+      }
+    }
+  }
+
+  float* part = ws + int64_t(blockIdx.x) * 2 * cols;
+  if constexpr (kGroups > 1) {
+    __syncthreads();  // acc was zeroed by other threads
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (p < packs) {
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          atomicAdd(&acc[p * kPack + k], dw[i][k]);
+          atomicAdd(&acc[cols + p * kPack + k], db[i][k]);
+        }
+      }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) part[c] = acc[c];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (p < packs) {
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          part[p * kPack + k] = dw[i][k];
+          part[cols + p * kPack + k] = db[i][k];
+        }
+      }
+    }
+  }
+}
+
+// Backward, any shape: a block per row, two passes; column c of the block's partial row is
+// owned by thread c % kBlock, which accumulates it in place.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+LayerNormBwdAnyKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
+                      const T* __restrict__ x, const T* __restrict__ weight,
+                      const float* __restrict__ mean, const float* __restrict__ rstd,
+                      T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int cols) {
+  __shared__ float red[2 * kBlock / 32];
+  const float inv_cols = 1.f / cols;
+  float* part = ws + int64_t(blockIdx.x) * 2 * cols;
+  for (int c = threadIdx.x; c < 2 * cols; c += kBlock) part[c] = 0.f;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t off = row * cols;
+    const float m = mean[row], rs = rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+    for (int c = threadIdx.x; c < cols; c += kBlock) {
+      const float g = ToFloat(dy[off + c]) * ToFloat(weight[c]);
+      sum_g += g;
+      sum_gx += g * (ToFloat(x[off + c]) - m) * rs;
+    }
+    GroupSum2<kBlock>(sum_g, sum_gx, red);
+    const float mg = sum_g * inv_cols, mgx = sum_gx * inv_cols;
+    for (int c = threadIdx.x; c < cols; c += kBlock) {
+      const float d = ToFloat(dy[off + c]), xhat = (ToFloat(x[off + c]) - m) * rs;
+      float out = rs * (d * ToFloat(weight[c]) - mg - xhat * mgx);
+      if (dsum) out += ToFloat(dsum[off + c]);
+      dx[off + c] = FromFloat<T>(out);
+      part[c] += d * xhat;
+      part[cols + c] += d;
+    }
+  }
+}
+
+// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c].
+constexpr int kReduceX = 32, kReduceY = 16;
+template <typename T>
+__global__ void __launch_bounds__(kReduceX * kReduceY)
+LayerNormReducePartials(const float* __restrict__ ws, int partials, int cols,
+                        T* __restrict__ dweight, T* __restrict__ dbias) {
+  __shared__ float tile[kReduceY][kReduceX + 1];
+  const int j = blockIdx.x * kReduceX + threadIdx.x;  // over 2 * cols
+  float s = 0.f;
+  if (j < 2 * cols)
+    for (int p = threadIdx.y; p < partials; p += kReduceY) s += ws[int64_t(p) * 2 * cols + j];
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < 2 * cols) {
+    for (int r = 1; r < kReduceY; ++r) s += tile[r][threadIdx.x];
+    if (j < cols) dweight[j] = FromFloat<T>(s);
+    else dbias[j - cols] = FromFloat<T>(s);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Launchers.
+
+// The narrowest group whose threads hold a row of `packs` packs within the register budget;
+// 0 when even 1024 threads cannot.
+inline int GroupFor(int packs, int vecs) {
+  for (int g = 32; g <= 1024; g *= 2)
+    if (int64_t(g) * vecs >= packs) return g;
+  return 0;
+}
+
+template <typename F>
+void WithGroup(int group, F&& f) {
+  switch (group) {
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    case 512: f(std::integral_constant<int, 512>{}); break;
+    default: f(std::integral_constant<int, 1024>{}); break;
+  }
+}
+
+template <typename T>
+ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void* residual,
+                     const void* weight, const void* bias, void* y, void* sum, float* mean,
+                     float* rstd, RowsCols rc, float eps) {
+  constexpr int kPack = Pack<T>::kSize, kVecs = kFwdFloats / kPack;
+  const int cols = static_cast<int>(rc.cols);
+  const bool packed = cols % kPack == 0 && Aligned16(x) && Aligned16(y) && Aligned16(weight) &&
+                      Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum)));
+  const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
+  const int64_t max_blocks = int64_t(SmCount(device)) * 16;
+  auto args = [&](auto kernel, int64_t blocks, int threads) {
+    kernel<<<static_cast<unsigned>(std::min(blocks, max_blocks)), threads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
+        static_cast<const T*>(bias), static_cast<T*>(y), static_cast<T*>(sum), mean, rstd,
+        rc.rows, cols, eps);
+  };
+  if (group) {
+    WithGroup(group, [&](auto g) {
+      constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
+      constexpr int kGroups = kThreads / kGroup;
+      args(LayerNormFwdKernel<T, kGroup, kVecs>, (rc.rows + kGroups - 1) / kGroups, kThreads);
+    });
+  } else {
+    args(LayerNormFwdAnyKernel<T>, rc.rows, kBlock);
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void* dsum,
+                     const void* x, const void* weight, const float* mean, const float* rstd,
+                     void* dx, void* dweight, void* dbias, float* ws, int64_t partials,
+                     RowsCols rc) {
+  constexpr int kPack = Pack<T>::kSize, kVecs = kBwdFloats / kPack;
+  const int cols = static_cast<int>(rc.cols);
+  const bool packed = cols % kPack == 0 && Aligned16(dy) && Aligned16(x) && Aligned16(dx) &&
+                      Aligned16(weight) && (!dsum || Aligned16(dsum));
+  const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
+  // Enough blocks to fill the device a few times over; each adds one partial row to reduce.
+  const int64_t fill = int64_t(SmCount(device)) * 4;
+  int64_t blocks = 0;
+  auto run = [&](auto kernel, int64_t rows_per_block, int threads, size_t smem) {
+    blocks = std::max<int64_t>(1, std::min({partials, fill, (rc.rows + rows_per_block - 1) /
+                                                                rows_per_block}));
+    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(dsum), static_cast<const T*>(x),
+        static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
+  };
+  if (group) {
+    WithGroup(group, [&](auto g) {
+      constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
+      constexpr int kGroups = kThreads / kGroup;
+      // Several groups per block only happen for rows of at most kBlock/2 * kBwdFloats elements,
+      // so the shared accumulator stays within 16 KiB.
+      run(LayerNormBwdKernel<T, kGroup, kVecs>, kGroups, kThreads,
+          kGroups > 1 ? 2 * cols * sizeof(float) : 0);
+    });
+  } else {
+    run(LayerNormBwdAnyKernel<T>, 1, kBlock, 0);
+  }
+  BLUJAX_RETURN_IF_ERROR(LastCudaError("blujax_layer_norm_bwd"));
+  const dim3 threads(kReduceX, kReduceY);
+  const unsigned grid = static_cast<unsigned>((2 * cols + kReduceX - 1) / kReduceX);
+  LayerNormReducePartials<T><<<grid, threads, 0, stream>>>(
+      ws, static_cast<int>(blocks), cols, static_cast<T*>(dweight), static_cast<T*>(dbias));
+  return ffi::Error::Success();
+}
+
+ffi::Error LayerNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer x,
+                            const ffi::AnyBuffer* residual, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::AnyBuffer>* sum, ffi::Result<ffi::AnyBuffer> mean,
+                            ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+  RowsCols rc;
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/false, &rc));
+  BLUJAX_RETURN_IF_ERROR(CheckEps(op, eps));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "bias", bias, x, rc.cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
+  if (residual) {
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", **sum, "x", x));
+  }
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, *mean, *rstd, x, rc.rows));
+  if (rc.rows == 0) return ffi::Error::Success();
+  auto launch = x.element_type() == ffi::DataType::F32 ? LaunchFwd<float>
+                                                        : LaunchFwd<__nv_bfloat16>;
+  BLUJAX_RETURN_IF_ERROR(launch(stream, device, x.untyped_data(),
+                                residual ? residual->untyped_data() : nullptr,
+                                weight.untyped_data(), bias.untyped_data(), y->untyped_data(),
+                                sum ? (*sum)->untyped_data() : nullptr,
+                                static_cast<float*>(mean->untyped_data()),
+                                static_cast<float*>(rstd->untyped_data()), rc, eps));
+  return LastCudaError(op);
+}
+
+ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer dy,
+                            const ffi::AnyBuffer* dsum, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                            ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> workspace) {
+  RowsCols rc;
+  int64_t partials = 0;
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/false, &rc));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
+  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, mean, rstd, x, rc.rows));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dweight", *dweight, x, rc.cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dbias", *dbias, x, rc.cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormWorkspace(op, *workspace, rc.cols, &partials));
+  auto launch = x.element_type() == ffi::DataType::F32 ? LaunchBwd<float>
+                                                        : LaunchBwd<__nv_bfloat16>;
+  BLUJAX_RETURN_IF_ERROR(launch(stream, device, dy.untyped_data(),
+                                dsum ? dsum->untyped_data() : nullptr, x.untyped_data(),
+                                weight.untyped_data(), static_cast<const float*>(mean.untyped_data()),
+                                static_cast<const float*>(rstd.untyped_data()), dx->untyped_data(),
+                                dweight->untyped_data(), dbias->untyped_data(),
+                                static_cast<float*>(workspace->untyped_data()), partials, rc));
+  return LastCudaError(op);
+}
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+using Device = ffi::DeviceOrdinal;
+
+ffi::Error LayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                        float eps) {
+  return LayerNormFwdImpl("blujax_layer_norm_fwd", stream, device, x, nullptr, weight, bias, y,
+                          nullptr, mean, rstd, eps);
+}
+
+ffi::Error AddLayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                           ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> sum,
+                           ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                           float eps) {
+  return LayerNormFwdImpl("blujax_add_layer_norm_fwd", stream, device, x, &residual, weight, bias,
+                          y, &sum, mean, rstd, eps);
+}
+
+ffi::Error LayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                        ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                        ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
+  return LayerNormBwdImpl("blujax_layer_norm_bwd", stream, device, dy, nullptr, x, weight, mean,
+                          rstd, dx, dweight, dbias, workspace);
+}
+
+ffi::Error AddLayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy,
+                           ffi::AnyBuffer dsum, ffi::AnyBuffer sum, ffi::AnyBuffer weight,
+                           ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                           ffi::Result<ffi::AnyBuffer> dbias,
+                           ffi::Result<ffi::AnyBuffer> workspace) {
+  return LayerNormBwdImpl("blujax_add_layer_norm_bwd", stream, device, dy, &dsum, sum, weight,
+                          mean, rstd, dx, dweight, dbias, workspace);
+}
+
+}  // namespace
+
+// Launch-only handlers (no allocation, no synchronisation): safe to capture in CUDA graphs.
+constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
+
+XLA_FFI_DEFINE_HANDLER(kLayerNormFwd, LayerNormFwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // bias [C]
+                           .Ret<ffi::AnyBuffer>()   // y [..., C]
+                           .Ret<ffi::AnyBuffer>()   // mean [...] f32
+                           .Ret<ffi::AnyBuffer>()   // rstd [...] f32
+                           .Attr<float>("eps"),
+                       kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER(kAddLayerNormFwd, AddLayerNormFwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // residual [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // bias [C]
+                           .Ret<ffi::AnyBuffer>()   // y [..., C]
+                           .Ret<ffi::AnyBuffer>()   // sum = x + residual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // mean [...] f32
+                           .Ret<ffi::AnyBuffer>()   // rstd [...] f32
+                           .Attr<float>("eps"),
+                       kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER(kLayerNormBwd, LayerNormBwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // dy [..., C]
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // mean [...]
+                           .Arg<ffi::AnyBuffer>()   // rstd [...]
+                           .Ret<ffi::AnyBuffer>()   // dx [..., C]
+                           .Ret<ffi::AnyBuffer>()   // dweight [C]
+                           .Ret<ffi::AnyBuffer>()   // dbias [C]
+                           .Ret<ffi::AnyBuffer>(),  // workspace [P, 2, C] f32
+                       kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER(kAddLayerNormBwd, AddLayerNormBwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // dy [..., C]
+                           .Arg<ffi::AnyBuffer>()   // dsum [..., C]
+                           .Arg<ffi::AnyBuffer>()   // sum [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // mean [...]
+                           .Arg<ffi::AnyBuffer>()   // rstd [...]
+                           .Ret<ffi::AnyBuffer>()   // dx = dresidual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // dweight [C]
+                           .Ret<ffi::AnyBuffer>()   // dbias [C]
+                           .Ret<ffi::AnyBuffer>(),  // workspace [P, 2, C] f32
+                       kGraphSafe);
+
+BLUJAX_REGISTER(blujax_layer_norm_fwd, kLayerNormFwd);
+BLUJAX_REGISTER(blujax_add_layer_norm_fwd, kAddLayerNormFwd);
+BLUJAX_REGISTER(blujax_layer_norm_bwd, kLayerNormBwd);
+BLUJAX_REGISTER(blujax_add_layer_norm_bwd, kAddLayerNormBwd);
+
+}  // namespace blujax
