@@ -1,0 +1,1 @@
+"""One module per op, each with `cases(quick: bool) -> list[harness.Case]`; kernels.py runs them."""

@@ -1,0 +1,113 @@
+"""Timing for the kernel benchmarks: bytes moved over time, against measured copy bandwidth.
+
+Method: one jitted program runs the op on 4 to 32 distinct input sets, together far larger
+than the L2 cache (so memory, not cache, is measured); the wall time of the whole program
+(after warm-up, until `block_until_ready`) over the number of calls is one sample, and the
+median of several samples is reported. Dispatch is paid once per program, not per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+@dataclasses.dataclass
+class Case:
+    """One row of the table: an op, one direction, one shape and dtype, and its contenders.
+
+    make(impl, key) returns (fn, args): fn(*args) runs the op once with impl ("ours", "xla",
+    or another name in impls); bytes is the fewest bytes the op must move (each input read
+    once, each output written once).
+    """
+
+    op: str
+    direction: str
+    shape: str
+    dtype: str
+    bytes: int
+    make: Callable[[str, jax.Array], tuple[Callable, tuple]]
+    impls: Sequence[str] = ("ours", "xla")
+
+
+def time_op(fn, make_args, bytes_per_call: int, samples: int = 15, calls: int | None = None):
+    """Median seconds per call of fn(*args).
+
+    Every call in the program gets its own input set (identical calls on identical inputs
+    would be merged by XLA's CSE), enough of them to be far beyond the L2 cache and to make
+    the one dispatch per program negligible, within about 4 GiB of inputs.
+    """
+    if calls is None:
+        calls = min(32, max(4, -(-(4 << 30) // max(bytes_per_call, 1))))
+    arg_sets = [make_args(i) for i in range(calls)]
+
+    @jax.jit
+    def program(arg_sets):
+        return [fn(*args) for args in arg_sets]
+
+    jax.block_until_ready(program(arg_sets))  # compile and warm up
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        jax.block_until_ready(program(arg_sets))
+        times.append((time.perf_counter() - t0) / calls)
+    del arg_sets
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device bandwidth in bytes/s of a 2 GiB scale op (read once, write once)."""
+    n = nbytes // 4
+
+    def make(i):
+        return (jnp.full((n,), 1.0 + i, jnp.float32),)
+
+    seconds = time_op(lambda x: x * 2.0, make, 2 * nbytes, samples=9, calls=3)
+    return 2 * nbytes / seconds
+
+
+def run_case(case: Case, copy_bw: float, seed: int = 0) -> dict:
+    row = dict(op=case.op, direction=case.direction, shape=case.shape, dtype=case.dtype,
+               bytes=case.bytes)
+    for impl in case.impls:
+        fn, _ = case.make(impl, jax.random.key(seed))
+        seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1], case.bytes)
+        row[f"{impl}_us"] = seconds * 1e6
+        row[f"{impl}_gbs"] = case.bytes / seconds / 1e9
+        row[f"{impl}_copy_frac"] = case.bytes / seconds / copy_bw
+    if "xla" in case.impls:
+        row["speedup_vs_xla"] = row["xla_us"] / row["ours_us"]
+    return row
+
+
+def table(rows: list[dict], copy_bw: float) -> str:
+    """A markdown table, ratios first."""
+    lines = [
+        f"copy bandwidth (scale op, read + write): {copy_bw / 1e9:.0f} GB/s",
+        "",
+        "| op | dir | rows x C | dtype | ours / XLA | ours % copy | XLA % copy | ours GB/s | "
+        "XLA GB/s | ours us | XLA us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['op']} | {r['direction']} | {r['shape']} | {r['dtype']} | "
+            f"{r.get('speedup_vs_xla', float('nan')):.2f}x | {100 * r['ours_copy_frac']:.0f}% | "
+            f"{100 * r.get('xla_copy_frac', float('nan')):.0f}% | {r['ours_gbs']:.0f} | "
+            f"{r.get('xla_gbs', float('nan')):.0f} | {r['ours_us']:.1f} | "
+            f"{r.get('xla_us', float('nan')):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def normal(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def itemsize(dtype) -> int:
+    return np.dtype(jnp.dtype(dtype)).itemsize
