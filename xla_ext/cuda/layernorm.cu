@@ -23,7 +23,7 @@ constexpr int kBlock = 256;         // threads per block, unless one row's group
 constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
 constexpr int kBwdFloats = 16;      // backward keeps dy, x, dweight and dbias: four times this
 
-template <int kGroup> constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
+template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
 
 // ----------------------------------------------------------------------------------------------
 // Forward, register path: one row per group of kGroup threads, kVecs packs per thread.

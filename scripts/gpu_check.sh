@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU and no network: build blujax with its CUDA kernels against the
+# installed jax/jaxlib, run the whole test suite on the GPU (and the emulated-CPU-mesh tests),
+# run the kernel benchmarks, and print a short table last. Logs go to OUT_DIR.
+#
+#   scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops layernorm,...]
+#
+# --quick      one benchmark shape per op
+# --sanitize   also run the CUDA tests under compute-sanitizer (memcheck), slower
+# --ops LIST   benchmark only these ops (benchmarks/cases/<op>.py)
+# Needs: python3 with jax[cuda] installed, nanobind, scikit-build-core, cmake, ninja, nvcc.
+set -euo pipefail
+
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops LIST]}
+shift
+quick="" sanitize="" ops=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick="--quick" ;;
+    --sanitize) sanitize=1 ;;
+    --ops) ops="--ops $2"; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "device"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+"$py" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/device.txt"
+
+step "build (no network: against the installed jaxlib, without build isolation)"
+start=$(date +%s)
+BLUJAX_CUDA=ON BLUJAX_CUDA_ARCHITECTURES=${BLUJAX_CUDA_ARCHITECTURES:-80;90a} \
+  "$py" -m pip install --no-build-isolation --no-deps --no-index -e . >"$out/build.log" 2>&1 \
+  || { tail -40 "$out/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+"$py" -c "import blujax; print('kernel backends:', blujax.kernel_backends())"
+
+step "tests on the GPU"
+set +e
+"$py" -m pytest -q -rs tests 2>&1 | tee "$out/tests_gpu.log"
+gpu_status=${PIPESTATUS[0]}
+step "tests on 8 emulated CPU devices (the CPU kernels)"
+JAX_PLATFORMS=cpu "$py" -m pytest -q tests 2>&1 | tee "$out/tests_cpu.log"
+cpu_status=${PIPESTATUS[0]}
+sanitizer_status=skipped
+if [ -n "$sanitize" ]; then
+  step "compute-sanitizer memcheck over the GPU tests"
+  timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 --log-file "$out/sanitizer.log" \
+    "$py" -m pytest -q -x -k "values or large" tests >"$out/tests_sanitizer.log" 2>&1
+  sanitizer_status=$?
+  tail -3 "$out/tests_sanitizer.log"; tail -3 "$out/sanitizer.log"
+fi
+set -e
+
+step "kernel benchmarks"
+"$py" benchmarks/kernels.py $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
+  || { tail -40 "$out/bench.log"; exit 1; }
+
+step "summary"
+echo "tests on GPU:      $(tail -1 "$out/tests_gpu.log") (exit $gpu_status)"
+echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
+echo "compute-sanitizer: $sanitizer_status"
+cat "$out/kernels.md"
+[ "$gpu_status" = 0 ] && [ "$cpu_status" = 0 ] && { [ -z "$sanitize" ] || [ "$sanitizer_status" = 0 ]; }
