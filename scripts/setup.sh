@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Sets up .venv in the repository with pinned versions and builds blujax into it (editable).
+# Prefers Python 3.12 (jax 0.11.2); Python 3.11 gets jax 0.10.2. Override with PYTHON=...
+# The CUDA kernels (blujax._cuda) are compiled whenever nvcc is found; BLUJAX_CUDA=ON/OFF forces.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  for p in python3.12 "$(command -v pyenv >/dev/null && pyenv root)/versions/3.12"*/bin/python3.12 \
+           python3.11 python3; do
+    if command -v "$p" >/dev/null 2>&1; then command -v "$p"; return; fi
+    if [ -x "$p" ]; then echo "$p"; return; fi
+  done
+  echo "no python3.12 or python3.11 found; set PYTHON=/path/to/python" >&2
+  exit 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  py=$(find_python)
+  echo "creating .venv with $py ($("$py" --version))"
+  "$py" -m venv .venv
+fi
+ver=$(.venv/bin/python -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+pins=requirements/py$ver.txt
+[ -f "$pins" ] || { echo "Python $ver is not supported (use 3.12 or 3.11)" >&2; exit 1; }
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${pip[@]}" install -c "$pins" jax jaxlib numpy optax tiktoken pytest \
+  nanobind scikit-build-core cmake ninja
+# Built against the pinned jaxlib already in .venv (the FFI ABI only runs forward).
+"${pip[@]}" install --no-build-isolation --no-deps -e .
+.venv/bin/python -c "import blujax, jax; print('blujax ready: kernels', blujax.kernel_backends(), 'jax', jax.__version__)"
