@@ -5,14 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The first candidate that really runs (a pyenv shim may exist for a version not selected).
 find_python() {
-  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
-  for p in python3.12 "$(command -v pyenv >/dev/null && pyenv root)/versions/3.12"*/bin/python3.12 \
-           python3.11 python3; do
-    if command -v "$p" >/dev/null 2>&1; then command -v "$p"; return; fi
-    if [ -x "$p" ]; then echo "$p"; return; fi
+  local candidates=("${PYTHON:-}" python3.12)
+  if command -v pyenv >/dev/null 2>&1; then
+    candidates+=("$(pyenv root)"/versions/3.12*/bin/python3.12)
+  fi
+  candidates+=(python3.11 python3)
+  for p in "${candidates[@]}"; do
+    [ -n "$p" ] || continue
+    if "$p" -c 'import sys; assert sys.version_info[:2] in ((3, 12), (3, 11))' 2>/dev/null; then
+      command -v "$p"
+      return
+    fi
   done
-  echo "no python3.12 or python3.11 found; set PYTHON=/path/to/python" >&2
+  echo "no working python3.12 or python3.11 found; set PYTHON=/path/to/python" >&2
   exit 1
 }
 

@@ -21,7 +21,8 @@ namespace {
 
 constexpr int kBlock = 256;         // threads per block, unless one row's group is wider
 constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
-constexpr int kBwdFloats = 16;      // backward keeps dy, x, dweight and dbias: four times this
+constexpr int kBwdFloats = 24;      // backward: elements of dy (and of x) a thread keeps
+constexpr int kMaxSharedBytes = 46 << 10;  // dynamic shared memory without opting in to more
 
 template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
 
@@ -143,28 +144,37 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward, register path. Each block leaves its partial dweight, dbias in ws[blockIdx.x].
+// Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
+// x packs in registers. A thread's columns are the same for every row, so it adds its share of
+// dweight/dbias into its group's own slice of shared memory without atomics; at the end the
+// block sums its groups' slices into its partial row ws[blockIdx.x].
+template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
+  return kGroup < 128 ? 128 : kGroup;
+}
+
 template <typename T, int kGroup, int kVecs>
-__global__ void __launch_bounds__(BlockFor<kGroup>())
+__global__ void __launch_bounds__(BwdBlockFor<kGroup>())
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
                    int64_t rows, int cols) {
   constexpr int kPack = Pack<T>::kSize;
-  constexpr int kGroups = BlockFor<kGroup>() / kGroup;
-  __shared__ float red[2 * BlockFor<kGroup>() / 32];
-  extern __shared__ float acc[];  // [2, cols], only when several groups share the block
+  constexpr int kThreads = BwdBlockFor<kGroup>(), kGroups = kThreads / kGroup;
+  __shared__ float red[2 * kThreads / 32];
+  extern __shared__ float4 acc4[];  // [kGroups][2][cols] floats
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
   const float inv_cols = 1.f / cols;
-
-  float dw[kVecs][kPack], db[kVecs][kPack];
+  float* dw_acc = reinterpret_cast<float*>(acc4) + int64_t(group) * 2 * cols;
+  float* db_acc = dw_acc + cols;
+  // Each thread zeroes exactly the columns it accumulates, so no barrier is needed yet.
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i)
+  for (int i = 0; i < kVecs; ++i) {
+    const int p = lane + i * kGroup;
+    if (p < packs) {
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) dw[i][k] = db[i][k] = 0.f;
-  if constexpr (kGroups > 1) {
-    for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) acc[c] = 0.f;
+      for (int k = 0; k < kPack; ++k) dw_acc[p * kPack + k] = db_acc[p * kPack + k] = 0.f;
+    }
   }
 
   for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
@@ -172,24 +182,27 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     const int64_t row = base + group;
     const bool valid = row < rows;
     const float m = valid ? mean[row] : 0.f, rs = valid ? rstd[row] : 0.f;
-    float g[kVecs][kPack], xhat[kVecs][kPack];
+    Pack<T> d[kVecs], a[kVecs];
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
-        const Pack<T> d = LoadPack(dy + off), a = LoadPack(x + off);
+        d[i] = LoadPack(dy + off);
+        a[i] = LoadPack(x + off);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int p = lane + i * kGroup;
+      if (valid && p < packs) {
         const Pack<T> w = LoadPack(weight + p * kPack);
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
-          const float dd = ToFloat(d.v[k]);
-          xhat[i][k] = (ToFloat(a.v[k]) - m) * rs;
-          g[i][k] = dd * ToFloat(w.v[k]);
-          sum_g += g[i][k];
-          sum_gx += g[i][k] * xhat[i][k];
-          dw[i][k] += dd * xhat[i][k];
-          db[i][k] += dd;
+          const float g = ToFloat(d[i].v[k]) * ToFloat(w.v[k]);
+          sum_g += g;
+          sum_gx += g * (ToFloat(a[i].v[k]) - m) * rs;
         }
       }
     }
@@ -200,50 +213,32 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
+        const Pack<T> w = LoadPack(weight + p * kPack);
+        Pack<T> ds;
+        if (dsum) ds = LoadPack(dsum + off);
         Pack<T> out;
-        if (dsum) {
-          const Pack<T> ds = LoadPack(dsum + off);
 #pragma unroll
-          for (int k = 0; k < kPack; ++k)
-            out.v[k] = FromFloat<T>(rs * (g[i][k] - mg - xhat[i][k] * mgx) + ToFloat(ds.v[k]));
-        } else {
-#pragma unroll
-          for (int k = 0; k < kPack; ++k)
-            out.v[k] = FromFloat<T>(rs * (g[i][k] - mg - xhat[i][k] * mgx));
+        for (int k = 0; k < kPack; ++k) {
+          const float dd = ToFloat(d[i].v[k]), xhat = (ToFloat(a[i].v[k]) - m) * rs;
+          float o = rs * (dd * ToFloat(w.v[k]) - mg - xhat * mgx);
+          if (dsum) o += ToFloat(ds.v[k]);
+          out.v[k] = FromFloat<T>(o);
+          dw_acc[p * kPack + k] += dd * xhat;
+          db_acc[p * kPack + k] += dd;
         }
         StorePack(dx + off, out);
       }
     }
   }
 
+  __syncthreads();
+  const float* acc = reinterpret_cast<const float*>(acc4);
   float* part = ws + int64_t(blockIdx.x) * 2 * cols;
-  if constexpr (kGroups > 1) {
-    __syncthreads();  // acc was zeroed by other threads
+  for (int c = threadIdx.x; c < 2 * cols; c += kThreads) {
+    float total = 0.f;
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (p < packs) {
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          atomicAdd(&acc[p * kPack + k], dw[i][k]);
-          atomicAdd(&acc[cols + p * kPack + k], db[i][k]);
-        }
-      }
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) part[c] = acc[c];
-  } else {
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (p < packs) {
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          part[p * kPack + k] = dw[i][k];
-          part[cols + p * kPack + k] = db[i][k];
-        }
-      }
-    }
+    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * 2 * cols + c];
+    part[c] = total;
   }
 }
 
@@ -312,6 +307,17 @@ inline int GroupFor(int packs, int vecs) {
   return 0;
 }
 
+// Blocks of a kernel that fit on one multiprocessor (at least 1).
+template <typename Kernel>
+int BlocksPerSm(Kernel kernel, int threads, size_t smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();  // a sizing query only: clear it and fall back to one block
+    n = 1;
+  }
+  return n < 1 ? 1 : n;
+}
+
 template <typename F>
 void WithGroup(int group, F&& f) {
   switch (group) {
@@ -333,9 +339,10 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
   const bool packed = cols % kPack == 0 && Aligned16(x) && Aligned16(y) && Aligned16(weight) &&
                       Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum)));
   const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
-  const int64_t max_blocks = int64_t(SmCount(device)) * 16;
   auto args = [&](auto kernel, int64_t blocks, int threads) {
-    kernel<<<static_cast<unsigned>(std::min(blocks, max_blocks)), threads, 0, stream>>>(
+    // As many blocks as fit on the device at once; each loops over its share of the rows.
+    const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, 0);
+    kernel<<<static_cast<unsigned>(std::min(blocks, resident)), threads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
         static_cast<const T*>(bias), static_cast<T*>(y), static_cast<T*>(sum), mean, rstd,
         rc.rows, cols, eps);
@@ -362,28 +369,30 @@ ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void
   const bool packed = cols % kPack == 0 && Aligned16(dy) && Aligned16(x) && Aligned16(dx) &&
                       Aligned16(weight) && (!dsum || Aligned16(dsum));
   const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
-  // Enough blocks to fill the device a few times over; each adds one partial row to reduce.
-  const int64_t fill = int64_t(SmCount(device)) * 4;
   int64_t blocks = 0;
   auto run = [&](auto kernel, int64_t rows_per_block, int threads, size_t smem) {
-    blocks = std::max<int64_t>(1, std::min({partials, fill, (rc.rows + rows_per_block - 1) /
-                                                                rows_per_block}));
+    // As many blocks as fit on the device at once (each leaves one partial row to reduce),
+    // no more than the workspace holds or the rows need.
+    const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, smem);
+    blocks = std::max<int64_t>(1, std::min({partials, resident,
+                                            (rc.rows + rows_per_block - 1) / rows_per_block}));
     kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
         static_cast<const T*>(dy), static_cast<const T*>(dsum), static_cast<const T*>(x),
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
   };
+  bool launched = false;
   if (group) {
     WithGroup(group, [&](auto g) {
-      constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
+      constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
-      // Several groups per block only happen for rows of at most kBlock/2 * kBwdFloats elements,
-      // so the shared accumulator stays within 16 KiB.
-      run(LayerNormBwdKernel<T, kGroup, kVecs>, kGroups, kThreads,
-          kGroups > 1 ? 2 * cols * sizeof(float) : 0);
+      const size_t smem = size_t(kGroups) * 2 * cols * sizeof(float);  // per-group dw, db
+      if (smem <= kMaxSharedBytes) {
+        run(LayerNormBwdKernel<T, kGroup, kVecs>, kGroups, kThreads, smem);
+        launched = true;
+      }
     });
-  } else {
-    run(LayerNormBwdAnyKernel<T>, 1, kBlock, 0);
   }
+  if (!launched) run(LayerNormBwdAnyKernel<T>, 1, kBlock, 0);
   BLUJAX_RETURN_IF_ERROR(LastCudaError("blujax_layer_norm_bwd"));
   const dim3 threads(kReduceX, kReduceY);
   const unsigned grid = static_cast<unsigned>((2 * cols + kReduceX - 1) / kReduceX);
