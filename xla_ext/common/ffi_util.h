@@ -3,8 +3,9 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -19,11 +20,30 @@ namespace ffi = xla::ffi;
     if (blujax_err_.failure()) return blujax_err_; \
   } while (0)
 
+// Message pieces: strings and numbers. Plain string building, no iostreams: a handler's error
+// path must not depend on the locale machinery of whichever C++ runtime the process loaded.
+inline void AppendPart(std::string& s, const char* v) { s += v; }
+inline void AppendPart(std::string& s, const std::string& v) { s += v; }
+inline void AppendPart(std::string& s, char v) { s += v; }
+inline void AppendPart(std::string& s, double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  s += buf;
+}
+inline void AppendPart(std::string& s, float v) { AppendPart(s, static_cast<double>(v)); }
+template <typename I, typename = std::enable_if_t<std::is_integral_v<I>>>
+inline void AppendPart(std::string& s, I v) { s += std::to_string(v); }
+
+template <typename... Parts>
+inline std::string StrCat(const Parts&... parts) {
+  std::string s;
+  (AppendPart(s, parts), ...);
+  return s;
+}
+
 template <typename... Parts>
 inline ffi::Error InvalidArgument(const Parts&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return ffi::Error::InvalidArgument(out.str());
+  return ffi::Error::InvalidArgument(StrCat(parts...));
 }
 
 inline const char* DtypeName(ffi::DataType t) {
@@ -41,12 +61,10 @@ inline const char* DtypeName(ffi::DataType t) {
 
 // Shape as "[2, 3, 768]" for messages.
 inline std::string ShapeString(const ffi::AnyBuffer& b) {
-  std::ostringstream out;
-  out << "[";
+  std::string s = "[";
   auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) out << (i ? ", " : "") << dims[i];
-  out << "]";
-  return out.str();
+  for (size_t i = 0; i < dims.size(); ++i) s += StrCat(i ? ", " : "", dims[i]);
+  return s + "]";
 }
 
 inline int64_t LastDim(const ffi::AnyBuffer& b) {

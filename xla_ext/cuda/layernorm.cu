@@ -276,17 +276,29 @@ LayerNormBwdAnyKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
   }
 }
 
-// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c].
-constexpr int kReduceX = 32, kReduceY = 16;
+// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c]. There are only
+// 2C / 32 blocks, so each thread keeps several independent loads in flight rather than waiting
+// on one partial row at a time.
+constexpr int kReduceX = 32, kReduceY = 32, kReduceUnroll = 8;
 template <typename T>
 __global__ void __launch_bounds__(kReduceX * kReduceY)
 LayerNormReducePartials(const float* __restrict__ ws, int partials, int cols,
                         T* __restrict__ dweight, T* __restrict__ dbias) {
   __shared__ float tile[kReduceY][kReduceX + 1];
   const int j = blockIdx.x * kReduceX + threadIdx.x;  // over 2 * cols
+  const int64_t stride = 2 * int64_t(cols);
+  float acc[kReduceUnroll] = {};
+  if (j < 2 * cols) {
+    int p = threadIdx.y;
+    for (; p + (kReduceUnroll - 1) * kReduceY < partials; p += kReduceUnroll * kReduceY) {
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) acc[u] += ws[(p + u * kReduceY) * stride + j];
+    }
+    for (; p < partials; p += kReduceY) acc[0] += ws[p * stride + j];
+  }
   float s = 0.f;
-  if (j < 2 * cols)
-    for (int p = threadIdx.y; p < partials; p += kReduceY) s += ws[int64_t(p) * 2 * cols + j];
+#pragma unroll
+  for (int u = 0; u < kReduceUnroll; ++u) s += acc[u];
   tile[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && j < 2 * cols) {
