@@ -96,4 +96,48 @@ __device__ __forceinline__ void GroupSum2(float& a, float& b, float* red) {
   }
 }
 
+// Mean and sum of squared deviations (m2) over the kGroup threads of a row, each contributing
+// the (count, mean, m2) of its own elements: Chan et al.'s pairwise merge, as accurate as two
+// passes over the row, in one exchange. Same calling rule as GroupSum2; `red` holds
+// 3 * blockDim.x / 32 floats.
+__device__ __forceinline__ void MergeMoments(float& n, float& mean, float& m2, float nb,
+                                             float mean_b, float m2_b) {
+  const float total = n + nb;
+  if (total > 0.f) {
+    const float delta = mean_b - mean, wb = nb / total;
+    mean += delta * wb;
+    m2 += m2_b + delta * delta * n * wb;
+  }
+  n = total;
+}
+
+template <int kGroup>
+__device__ __forceinline__ void GroupMoments(float& n, float& mean, float& m2, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o);
+    const float mb = __shfl_xor_sync(0xffffffffu, mean, o);
+    const float m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+    MergeMoments(n, mean, m2, nb, mb, m2b);
+  }
+  if constexpr (kGroup > 32) {
+    constexpr int kWarps = kGroup / 32;
+    const int warp = threadIdx.x / 32, first = warp / kWarps * kWarps;
+    if (threadIdx.x % 32 == 0) {
+      red[3 * warp] = n;
+      red[3 * warp + 1] = mean;
+      red[3 * warp + 2] = m2;
+    }
+    __syncthreads();
+    n = red[3 * first];
+    mean = red[3 * first + 1];
+    m2 = red[3 * first + 2];
+#pragma unroll
+    for (int i = 1; i < kWarps; ++i)
+      MergeMoments(n, mean, m2, red[3 * (first + i)], red[3 * (first + i) + 1],
+                   red[3 * (first + i) + 2]);
+    __syncthreads();  // red is reused by the next call
+  }
+}
+
 }  // namespace blujax

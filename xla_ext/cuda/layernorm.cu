@@ -36,7 +36,7 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
                    int64_t rows, int cols, float eps) {
   constexpr int kPack = Pack<T>::kSize;
   constexpr int kGroups = BlockFor<kGroup>() / kGroup;
-  __shared__ float red[2 * BlockFor<kGroup>() / 32];
+  __shared__ float red[3 * BlockFor<kGroup>() / 32];
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
   const float inv_cols = 1.f / cols;
@@ -47,7 +47,7 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
     const int64_t row = base + group;
     const bool valid = row < rows;
     float v[kVecs][kPack];
-    float s = 0.f, unused = 0.f;
+    float s = 0.f, n = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
@@ -65,23 +65,20 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
           v[i][k] = ToFloat(a.v[k]);
           s += v[i][k];
         }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) v[i][k] = 0.f;
+        n += kPack;
       }
     }
-    GroupSum2<kGroup>(s, unused, red);
-    const float m = s * inv_cols;
-    float q = 0.f;
+    // This thread's mean and squared deviations, then the row's, in one exchange.
+    float m = n > 0.f ? s / n : 0.f, m2 = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (valid && lane + i * kGroup < packs) {
 #pragma unroll
-        for (int k = 0; k < kPack; ++k) q += (v[i][k] - m) * (v[i][k] - m);
+        for (int k = 0; k < kPack; ++k) m2 += (v[i][k] - m) * (v[i][k] - m);
       }
     }
-    GroupSum2<kGroup>(q, unused, red);
-    const float rs = rsqrtf(q * inv_cols + eps);
+    GroupMoments<kGroup>(n, m, m2, red);
+    const float rs = rsqrtf(m2 * inv_cols + eps);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
@@ -161,19 +158,23 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
   constexpr int kPack = Pack<T>::kSize;
   constexpr int kThreads = BwdBlockFor<kGroup>(), kGroups = kThreads / kGroup;
   __shared__ float red[2 * kThreads / 32];
-  extern __shared__ float4 acc4[];  // [kGroups][2][cols] floats
+  // Per group: dweight then dbias, each stored as [chunk][pack][4] with chunk = a float4 of a
+  // pack (bfloat16 packs hold two), so the float4s a warp updates together are consecutive
+  // and free of bank conflicts.
+  extern __shared__ float4 acc4[];
+  constexpr int kChunks = kPack / 4;
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
   const float inv_cols = 1.f / cols;
-  float* dw_acc = reinterpret_cast<float*>(acc4) + int64_t(group) * 2 * cols;
-  float* db_acc = dw_acc + cols;
-  // Each thread zeroes exactly the columns it accumulates, so no barrier is needed yet.
+  float4* dw_acc = acc4 + int64_t(group) * 2 * (cols / 4);
+  float4* db_acc = dw_acc + cols / 4;
+  // Each thread zeroes exactly the float4s it accumulates, so no barrier is needed yet.
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int p = lane + i * kGroup;
     if (p < packs) {
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) dw_acc[p * kPack + k] = db_acc[p * kPack + k] = 0.f;
+      for (int c = 0; c < kChunks; ++c) dw_acc[c * packs + p] = db_acc[c * packs + p] = float4{};
     }
   }
 
@@ -217,16 +218,26 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         Pack<T> ds;
         if (dsum) ds = LoadPack(dsum + off);
         Pack<T> out;
+        float dwv[kPack], dbv[kPack];
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
           const float dd = ToFloat(d[i].v[k]), xhat = (ToFloat(a[i].v[k]) - m) * rs;
           float o = rs * (dd * ToFloat(w.v[k]) - mg - xhat * mgx);
           if (dsum) o += ToFloat(ds.v[k]);
           out.v[k] = FromFloat<T>(o);
-          dw_acc[p * kPack + k] += dd * xhat;
-          db_acc[p * kPack + k] += dd;
+          dwv[k] = dd * xhat;
+          dbv[k] = dd;
         }
         StorePack(dx + off, out);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          float4& w4 = dw_acc[c * packs + p];
+          float4& b4 = db_acc[c * packs + p];
+          w4 = float4{w4.x + dwv[4 * c], w4.y + dwv[4 * c + 1], w4.z + dwv[4 * c + 2],
+                      w4.w + dwv[4 * c + 3]};
+          b4 = float4{b4.x + dbv[4 * c], b4.y + dbv[4 * c + 1], b4.z + dbv[4 * c + 2],
+                      b4.w + dbv[4 * c + 3]};
+        }
       }
     }
   }
@@ -234,11 +245,15 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
   __syncthreads();
   const float* acc = reinterpret_cast<const float*>(acc4);
   float* part = ws + int64_t(blockIdx.x) * 2 * cols;
-  for (int c = threadIdx.x; c < 2 * cols; c += kThreads) {
+  for (int j = threadIdx.x; j < 2 * cols; j += kThreads) {
+    // Column col of dweight (j < cols) or dbias sits at [chunk][pack][lane of float4].
+    const int which = j < cols ? 0 : 1, col = j - which * cols;
+    const int p = col / kPack, r = col % kPack;
+    const int at = which * cols + ((r / 4) * packs + p) * 4 + r % 4;
     float total = 0.f;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * 2 * cols + c];
-    part[c] = total;
+    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * 2 * cols + at];
+    part[j] = total;
   }
 }
 
