@@ -1,0 +1,41 @@
+"""Loading and registration of the kernel libraries (blujax/_ffi.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import blujax
+from blujax import _ffi, kernels
+
+
+def test_kernel_backends_lists_what_loaded():
+    backends = blujax.kernel_backends()
+    assert backends[0] == "cpu"
+    assert set(backends) <= {"cpu", "cuda"}
+    if jax.default_backend() == "gpu":
+        assert "cuda" in backends
+
+
+def test_every_cpu_target_has_a_cuda_twin():
+    loaded, _ = _ffi._load()
+    cpu = set(loaded["cpu"].registrations())
+    assert {"blujax_layer_norm_fwd", "blujax_layer_norm_bwd"} <= cpu
+    if "cuda" in loaded:
+        assert set(loaded["cuda"].registrations()) == cpu
+
+
+def test_lowers_to_our_custom_call_for_cuda_without_a_gpu():
+    # CI has no GPU, but the CUDA lowering is still checked: one custom call per direction.
+    x, w = jnp.ones((4, 8)), jnp.ones((8,))
+    f = jax.jit(jax.grad(lambda x: kernels.layer_norm(x, w, w).sum()))
+    hlo = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "blujax_layer_norm_fwd" in hlo and "blujax_layer_norm_bwd" in hlo
+
+
+def test_missing_cuda_kernels_on_a_gpu_is_an_error_not_a_fallback(monkeypatch):
+    loaded, missing = _ffi._load()
+    monkeypatch.setattr(_ffi, "_load", lambda: ({"cpu": loaded["cpu"]},
+                                                {"cuda": "No module named 'blujax._cuda'"}))
+    monkeypatch.setattr(_ffi, "current_platform", lambda: "gpu")
+    with pytest.raises(RuntimeError, match="(?s)built without its CUDA kernels.*BLUJAX_CUDA=ON"):
+        kernels.layer_norm(jnp.ones((2, 4)), jnp.ones(4), jnp.ones(4))
