@@ -47,6 +47,10 @@ step "tests on the GPU"
 set +e
 "$py" -m pytest -q -rs tests 2>&1 | tee "$out/tests_gpu.log"
 gpu_status=${PIPESTATUS[0]}
+step "kernel value tests again with XLA's command buffers (CUDA graphs) off"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "values" tests \
+  2>&1 | tee "$out/tests_gpu_nographs.log"
+nographs_status=${PIPESTATUS[0]}
 step "tests on 8 emulated CPU devices (the CPU kernels)"
 JAX_PLATFORMS=cpu "$py" -m pytest -q tests 2>&1 | tee "$out/tests_cpu.log"
 cpu_status=${PIPESTATUS[0]}
@@ -66,7 +70,8 @@ step "kernel benchmarks"
 
 step "summary"
 echo "tests on GPU:      $(tail -1 "$out/tests_gpu.log") (exit $gpu_status)"
+echo "tests, no graphs:  $(tail -1 "$out/tests_gpu_nographs.log") (exit $nographs_status)"
 echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
 echo "compute-sanitizer: $sanitizer_status"
 cat "$out/kernels.md"
-[ "$gpu_status" = 0 ] && [ "$cpu_status" = 0 ] && { [ -z "$sanitize" ] || [ "$sanitizer_status" = 0 ]; }
+[ "$gpu_status" = 0 ] && [ "$nographs_status" = 0 ] && [ "$cpu_status" = 0 ] && { [ -z "$sanitize" ] || [ "$sanitizer_status" = 0 ]; }

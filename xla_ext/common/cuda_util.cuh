@@ -61,6 +61,20 @@ __device__ __forceinline__ void StorePack(T* p, const Pack<T>& v) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
 }
 
+// Streaming variants for data touched once (activations): they bypass L1 and are evicted from
+// L2 first, so the small, reused operands (weights, biases) stay cached.
+template <typename T>
+__device__ __forceinline__ Pack<T> LoadPackStream(const T* p) {
+  Pack<T> out;
+  *reinterpret_cast<uint4*>(&out) = __ldcs(reinterpret_cast<const uint4*>(p));
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePackStream(T* p, const Pack<T>& v) {
+  __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+}
+
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int kWidth = 32>

@@ -53,12 +53,12 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
-        Pack<T> a = LoadPack(x + off);
+        Pack<T> a = LoadPackStream(x + off);
         if (residual) {
-          Pack<T> r = LoadPack(residual + off);
+          Pack<T> r = LoadPackStream(residual + off);
 #pragma unroll
           for (int k = 0; k < kPack; ++k) a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(r.v[k]));
-          StorePack(sum + off, a);  // rounded to T: the statistics are those of the sum returned
+          StorePackStream(sum + off, a);  // rounded to T: the statistics are those of the sum returned
         }
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
@@ -88,7 +88,7 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
 #pragma unroll
         for (int k = 0; k < kPack; ++k)
           out.v[k] = FromFloat<T>((v[i][k] - m) * rs * ToFloat(w.v[k]) + ToFloat(b.v[k]));
-        StorePack(y + row * cols + int64_t(p) * kPack, out);
+        StorePackStream(y + row * cols + int64_t(p) * kPack, out);
       }
     }
     if (valid && lane == 0) {
@@ -190,8 +190,8 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
-        d[i] = LoadPack(dy + off);
-        a[i] = LoadPack(x + off);
+        d[i] = LoadPackStream(dy + off);
+        a[i] = LoadPackStream(x + off);
       }
     }
 #pragma unroll
@@ -216,7 +216,7 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         const int64_t off = row * cols + int64_t(p) * kPack;
         const Pack<T> w = LoadPack(weight + p * kPack);
         Pack<T> ds;
-        if (dsum) ds = LoadPack(dsum + off);
+        if (dsum) ds = LoadPackStream(dsum + off);
         Pack<T> out;
         float dwv[kPack], dbv[kPack];
 #pragma unroll
@@ -228,7 +228,7 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
           dwv[k] = dd * xhat;
           dbv[k] = dd;
         }
-        StorePack(dx + off, out);
+        StorePackStream(dx + off, out);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           float4& w4 = dw_acc[c * packs + p];
