@@ -24,7 +24,10 @@ class Case:
 
     make(impl, key) returns (fn, args): fn(*args) runs the op once with impl ("ours", "xla",
     or another name in impls); bytes is the fewest bytes the op must move (each input read
-    once, each output written once).
+    once, each output written once). donate: the timed program donates its inputs, as a
+    train step donates its state (for ops that update buffers in place); fn should then return
+    its outputs in the order of the inputs they replace, since JAX pairs donated inputs with
+    outputs of the same shape and dtype in order.
     """
 
     op: str
@@ -34,36 +37,43 @@ class Case:
     bytes: int
     make: Callable[[str, jax.Array], tuple[Callable, tuple]]
     impls: Sequence[str] = ("ours", "xla")
+    donate: bool = False
 
 
 def time_op(fn, make_args, bytes_per_call: int, samples: int = 11, calls: int | None = None,
-            programs: int = 4):
+            programs: int = 4, donate: bool = False):
     """Median seconds per call of fn(*args).
 
     Every call in the program gets its own input set (identical calls on identical inputs
     would be merged by XLA's CSE), enough of them to be far beyond the L2 cache and to make
-    the one dispatch per program negligible, within about 4 GiB of inputs.
+    the one dispatch per program negligible, within about 4 GiB of inputs. Several programs
+    are queued before waiting, so the host's per-program work (passing dozens of arrays in and
+    out) overlaps the device running the previous one. With donate, a program consumes its
+    inputs, so each queued program gets fresh ones, made before the clock starts.
     """
     if calls is None:
         calls = min(32, max(4, -(-(4 << 30) // max(bytes_per_call, 1))))
-    arg_sets = [make_args(i) for i in range(calls)]
+    if donate:
+        programs = 2  # each queued program holds its own inputs
 
-    @jax.jit
+    def inputs():
+        return jax.block_until_ready([make_args(i) for i in range(calls)])
+
     def program(arg_sets):
         return [fn(*args) for args in arg_sets]
 
-    jax.block_until_ready(program(arg_sets))  # compile and warm up
-    # Several programs are queued before waiting, so the host's per-program work (passing in
-    # and out dozens of arrays) overlaps the device running the previous one.
+    program = jax.jit(program, donate_argnums=(0,) if donate else ())
+    jax.block_until_ready(program(inputs()))  # compile and warm up
+    shared = None if donate else inputs()
     times = []
     for _ in range(samples):
+        queued = [inputs() for _ in range(programs)] if donate else [shared] * programs
         t0 = time.perf_counter()
-        for _ in range(programs):
+        for arg_sets in queued:
             out = program(arg_sets)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / (programs * calls))
-        del out
-    del arg_sets
+        del out, queued
     return statistics.median(times)
 
 
@@ -83,7 +93,8 @@ def run_case(case: Case, copy_bw: float, seed: int = 0) -> dict:
                bytes=case.bytes)
     for impl in case.impls:
         fn, _ = case.make(impl, jax.random.key(seed))
-        seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1], case.bytes)
+        seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1], case.bytes,
+                          donate=case.donate)
         row[f"{impl}_us"] = seconds * 1e6
         row[f"{impl}_gbs"] = case.bytes / seconds / 1e9
         row[f"{impl}_copy_frac"] = case.bytes / seconds / copy_bw

@@ -2,6 +2,7 @@
 
 from blujax._ffi import kernel_backends
 from blujax import kernels
+from blujax import optim
 
-__all__ = ["kernel_backends", "kernels"]
+__all__ = ["kernel_backends", "kernels", "optim"]
 __version__ = "0.1.0"

@@ -29,3 +29,26 @@ def add_layer_norm(x, residual, weight, bias, *, eps: float = 1e-5):
     """(layer_norm(x + residual), x + residual)."""
     s = x + residual
     return layer_norm(s, weight, bias, eps=eps), s
+
+
+def adamw_update(param, grad, m, v, hparams, *, b1: float = 0.9, b2: float = 0.95,
+                 eps: float = 1e-8):
+    """One AdamW step, in optax.adamw's order: returns (update, new_m, new_v).
+
+    hparams = [lr, weight_decay, bias_correction1, bias_correction2] in the moments' dtype.
+    """
+    ct = m.dtype
+    lr, wd, bc1, bc2 = hparams[0], hparams[1], hparams[2], hparams[3]
+    g = grad.astype(ct)
+    m = (1 - b1) * g + b1 * m
+    v = (1 - b2) * (g * g) + b2 * v
+    u = (m / bc1) / (jnp.sqrt(v / bc2) + eps) + wd * param.astype(ct)
+    return ((-lr) * u).astype(param.dtype), m, v
+
+
+def adamw_update_many(params, grads, ms, vs, hparams, *, b1: float = 0.9, b2: float = 0.95,
+                      eps: float = 1e-8):
+    """adamw_update over lists of tensors sharing hparams: (updates, new_ms, new_vs)."""
+    outs = [adamw_update(p, g, m, v, hparams, b1=b1, b2=b2, eps=eps)
+            for p, g, m, v in zip(params, grads, ms, vs)]
+    return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
