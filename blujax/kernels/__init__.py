@@ -4,6 +4,7 @@
 the plain-XLA side of every benchmark. A model takes either namespace as its `ops`.
 """
 
+from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 
-__all__ = ["add_layer_norm", "layer_norm"]
+__all__ = ["add_layer_norm", "gelu", "layer_norm"]

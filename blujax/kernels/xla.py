@@ -29,3 +29,12 @@ def add_layer_norm(x, residual, weight, bias, *, eps: float = 1e-5):
     """(layer_norm(x + residual), x + residual)."""
     s = x + residual
     return layer_norm(s, weight, bias, eps=eps), s
+
+
+def gelu(x, bias=None):
+    """jax.nn.gelu(x + bias, approximate=True); x + bias is formed in the compute dtype and
+    is not rounded to x's dtype before GELU."""
+    v = x.astype(_compute_dtype(x.dtype))
+    if bias is not None:
+        v = v + bias.astype(v.dtype)
+    return jax.nn.gelu(v, approximate=True).astype(x.dtype)
