@@ -5,6 +5,7 @@ the plain-XLA side of every benchmark. A model takes either namespace as its `op
 """
 
 from blujax.kernels.adamw import adamw_update, adamw_update_many
+from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 
-__all__ = ["adamw_update", "adamw_update_many", "add_layer_norm", "layer_norm"]
+__all__ = ["adamw_update", "adamw_update_many", "add_layer_norm", "gelu", "layer_norm"]

@@ -52,3 +52,12 @@ def adamw_update_many(params, grads, ms, vs, hparams, *, b1: float = 0.9, b2: fl
     outs = [adamw_update(p, g, m, v, hparams, b1=b1, b2=b2, eps=eps)
             for p, g, m, v in zip(params, grads, ms, vs)]
     return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
+
+
+def gelu(x, bias=None):
+    """jax.nn.gelu(x + bias, approximate=True); x + bias is formed in the compute dtype and
+    is not rounded to x's dtype before GELU."""
+    v = x.astype(_compute_dtype(x.dtype))
+    if bias is not None:
+        v = v + bias.astype(v.dtype)
+    return jax.nn.gelu(v, approximate=True).astype(x.dtype)
