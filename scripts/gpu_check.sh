@@ -27,6 +27,8 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
+# The tests that compare each kernel with its spec (by name), rerun under the sanitizer and without graphs.
+kernel_tests="values or large or matches or sized"
 export PYTHONUNBUFFERED=1
 
 step() { printf '\n== %s\n' "$*"; }
@@ -48,7 +50,7 @@ set +e
 "$py" -m pytest -q -rs tests 2>&1 | tee "$out/tests_gpu.log"
 gpu_status=${PIPESTATUS[0]}
 step "kernel value tests again with XLA's command buffers (CUDA graphs) off"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "values" tests \
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "$kernel_tests" tests \
   2>&1 | tee "$out/tests_gpu_nographs.log"
 nographs_status=${PIPESTATUS[0]}
 step "tests on 8 emulated CPU devices (the CPU kernels)"
@@ -58,7 +60,7 @@ sanitizer_status=skipped
 if [ -n "$sanitize" ]; then
   step "compute-sanitizer memcheck over the GPU tests"
   timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 --log-file "$out/sanitizer.log" \
-    "$py" -m pytest -q -x -k "values or large" tests >"$out/tests_sanitizer.log" 2>&1
+    "$py" -m pytest -q -x -k "$kernel_tests" tests >"$out/tests_sanitizer.log" 2>&1
   sanitizer_status=$?
   tail -3 "$out/tests_sanitizer.log"; tail -3 "$out/sanitizer.log"
 fi
