@@ -4,6 +4,19 @@
 the plain-XLA side of every benchmark. A model takes either namespace as its `ops`.
 """
 
+from blujax.kernels.cross_entropy import (
+    cross_entropy_grad,
+    cross_entropy_stats,
+    softmax_cross_entropy,
+    vocab_parallel_softmax_cross_entropy,
+)
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 
-__all__ = ["add_layer_norm", "layer_norm"]
+__all__ = [
+    "add_layer_norm",
+    "cross_entropy_grad",
+    "cross_entropy_stats",
+    "layer_norm",
+    "softmax_cross_entropy",
+    "vocab_parallel_softmax_cross_entropy",
+]
