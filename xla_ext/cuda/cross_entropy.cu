@@ -101,11 +101,11 @@ struct MaxSum {
 #pragma unroll
     for (int k = 1; k < kCount; ++k) bm = fmaxf(bm, value(k));
     const float nm = fmaxf(m, bm);  // fmaxf drops NaN; a NaN logit makes the sum NaN below
-    const float shift = nm * kLog2e;
+    // Differences first: nm * log2(e) would overflow to -inf while nm is still -FLT_MAX.
     float add = 0.f;
 #pragma unroll
-    for (int k = 0; k < kCount; ++k) add += exp2f(fmaf(value(k), kLog2e, -shift));
-    s = s * exp2f(fmaf(m, kLog2e, -shift)) + add;
+    for (int k = 0; k < kCount; ++k) add += exp2f((value(k) - nm) * kLog2e);
+    s = s * exp2f((m - nm) * kLog2e) + add;
     m = nm;
   }
 
@@ -260,9 +260,9 @@ CrossEntropyBwdKernel(const T* logits, T* dlogits, BwdArgs a) {
     // not in this row's slice of the vocabulary.
     const int64_t local = target - a.vocab_start[r / a.rows_per_start];
     const int col = local >= 0 && local < a.vocab ? static_cast<int>(local) - split.head : INT_MIN;
-    const float g = a.g[r], shift = a.lse[r] * kLog2e;
+    const float g = a.g[r], lse = a.lse[r];
     auto grad = [&](float x, int c) {
-      return (exp2f(fmaf(x, kLog2e, -shift)) - (c == col ? 1.f : 0.f)) * g;
+      return (exp2f((x - lse) * kLog2e) - (c == col ? 1.f : 0.f)) * g;
     };
     for (int p0 = lane; p0 < split.packs; p0 += kUnroll * kGroup) {
       RawPack<T> raw[kUnroll];
