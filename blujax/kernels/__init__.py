@@ -5,7 +5,23 @@ the plain-XLA side of every benchmark. A model takes either namespace as its `op
 """
 
 from blujax.kernels.adamw import adamw_update, adamw_update_many
+from blujax.kernels.cross_entropy import (
+    cross_entropy_grad,
+    cross_entropy_stats,
+    softmax_cross_entropy,
+    vocab_parallel_softmax_cross_entropy,
+)
 from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 
-__all__ = ["adamw_update", "adamw_update_many", "add_layer_norm", "gelu", "layer_norm"]
+__all__ = [
+    "adamw_update",
+    "adamw_update_many",
+    "add_layer_norm",
+    "cross_entropy_grad",
+    "cross_entropy_stats",
+    "gelu",
+    "layer_norm",
+    "softmax_cross_entropy",
+    "vocab_parallel_softmax_cross_entropy",
+]

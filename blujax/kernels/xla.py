@@ -61,3 +61,19 @@ def gelu(x, bias=None):
     if bias is not None:
         v = v + bias.astype(v.dtype)
     return jax.nn.gelu(v, approximate=True).astype(x.dtype)
+
+
+def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1):
+    """Per-row logsumexp(logits[n]) - logits[n, targets[n]], float32 (float64 for float64).
+
+    Rows whose target is ignore_index give 0 and no gradient; other targets outside [0, V)
+    give NaN, and a NaN gradient row.
+    """
+    x = logits.astype(_compute_dtype(logits.dtype))
+    lse = jax.nn.logsumexp(x, axis=-1)
+    ignored = targets == ignore_index
+    known = (targets >= 0) & (targets < x.shape[-1])
+    picked = jnp.take_along_axis(x, jnp.where(known, targets, 0)[:, None], axis=-1)[:, 0]
+    # A factor rather than a select, so that unknown targets poison the gradient as well.
+    poison = jnp.where(known | ignored, 1.0, jnp.nan).astype(x.dtype)
+    return jnp.where(ignored, 0.0, (lse - picked) * poison)

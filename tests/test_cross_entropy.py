@@ -1,0 +1,425 @@
+"""blujax.kernels.softmax_cross_entropy (and its per-row, vocab-parallel entries) against the jnp
+spec (blujax.kernels.xla.softmax_cross_entropy).
+
+Runs the CPU kernels on CPU and the CUDA kernels wherever JAX runs on a GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+from blujax import kernels as ops
+from blujax.kernels import xla as spec
+from tests.util import assert_close, cpu_float64, mesh_devices, randn
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+# V = 1 and 3 are shorter than one 16-byte pack, 1001 is odd, 50257 (GPT-2) leaves bfloat16
+# rows at 8 different alignments, 50304 is the padded vocabulary; row counts are odd.
+SHAPES = [(5, 1), (7, 3), (37, 1001), (5, 50257), (3, 50304)]
+
+
+def _targets(rng, n, v, ignore_index=-1):
+    """Random class ids, with an ignored row, and (for n >= 4) rows above and below [0, V)."""
+    t = rng.integers(0, v, n)
+    t[n // 2] = ignore_index
+    if n >= 4:
+        t[1], t[-1] = v + int(rng.integers(0, 3)), -int(rng.integers(2, 5))
+    return jnp.asarray(t, jnp.int32)
+
+
+def _logits(rng, n, v, dtype):
+    # Spread like real logits (lse ~ 10 for V = 50k), and never zero.
+    return randn(rng, (n, v), dtype, 3.0, 0.5)
+
+
+def assert_close_nan(actual, expected, dtype, factor=1.0):
+    """assert_close where NaN is expected exactly where the reference has NaN."""
+    a = np.asarray(jnp.asarray(actual, jnp.float32) if actual.dtype == jnp.bfloat16 else actual)
+    e = np.asarray(jnp.asarray(expected, jnp.float32) if expected.dtype == jnp.bfloat16
+                   else expected)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg="NaN in different places")
+    assert_close(np.where(np.isnan(e), 0, a), np.where(np.isnan(e), 0, e), dtype, factor)
+
+
+def _vjp(fn, x, ct):
+    """(fn(x), the gradient of fn at x for cotangent ct), in one jitted program."""
+    def run(x, ct):
+        loss, vjp = jax.vjp(fn, x)
+        return loss, vjp(ct)[0]
+    return jax.jit(run)(x, ct)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_values_and_grads(rng, shape, dtype):
+    n, v = shape
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, v)
+    ct = randn(rng, (n,), jnp.float32)
+    loss, dx = _vjp(lambda x: ops.softmax_cross_entropy(x, t), x, ct)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t), x, ct)
+    assert loss.dtype == jnp.float32 and loss.shape == (n,)
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    # The loss is float32 arithmetic on the same inputs for both dtypes.
+    assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)
+    ignored = np.asarray(t) == -1
+    assert np.all(np.asarray(loss)[ignored] == 0)
+    assert np.all(np.asarray(dx, np.float32)[ignored] == 0)
+    if n >= 4:  # targets outside [0, V): NaN loss and NaN gradient row, no crash
+        for row in (1, n - 1):
+            assert np.isnan(loss[row]) and np.all(np.isnan(np.asarray(dx[row], np.float32)))
+
+
+@pytest.mark.parametrize("ignore_index", [0, 7, -100])
+def test_ignore_index(rng, ignore_index):
+    n, v = 9, 33
+    x = _logits(rng, n, v, jnp.float32)
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32).at[jnp.array([2, 5])].set(ignore_index)
+    f = functools.partial(ops.softmax_cross_entropy, ignore_index=ignore_index)
+    f_ref = functools.partial(spec.softmax_cross_entropy, ignore_index=ignore_index)
+    ct = randn(rng, (n,), jnp.float32)
+    loss, dx = _vjp(lambda x: f(x, t), x, ct)
+    loss_ref, dx_ref = _vjp(lambda x: f_ref(x, t), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32)
+    assert_close_nan(dx, dx_ref, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(dx)[[2, 5]], 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_masked_logits(rng, dtype):
+    # Padded vocabulary entries set to -inf (and a row that starts with them) stay finite.
+    n, v = 6, 1000
+    x = _logits(rng, n, v, dtype).at[:, 950:].set(-jnp.inf).at[0, :40].set(-jnp.inf)
+    t = jnp.asarray(rng.integers(40, 950, n), jnp.int32)
+    ct = randn(rng, (n,), jnp.float32)
+    loss, dx = _vjp(lambda x: ops.softmax_cross_entropy(x, t), x, ct)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t), x, ct)
+    assert_close(loss, loss_ref, jnp.float32)
+    assert_close(dx, dx_ref, dtype)
+    np.testing.assert_array_equal(np.asarray(dx[:, 950:], np.float32), 0.0)
+
+
+def test_empty_rows():
+    x = jnp.ones((0, 50), jnp.float32)
+    t = jnp.zeros((0,), jnp.int32)
+    assert ops.softmax_cross_entropy(x, t).shape == (0,)
+    assert jax.grad(lambda x: ops.softmax_cross_entropy(x, t).sum())(x).shape == (0, 50)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (5, 7), (4, 33)], ids=str)
+def test_check_grads_float64(rng, shape):
+    n, v = shape
+    with cpu_float64():
+        x = randn(rng, shape, jnp.float64, 2.0)
+        t = jnp.asarray(rng.integers(0, v, n), jnp.int32).at[n - 1].set(-1)
+        f = lambda x: ops.softmax_cross_entropy(x, t)
+        assert f(x).dtype == jnp.float64
+        assert_close(f(x), spec.softmax_cross_entropy(x, t), jnp.float64)
+        check_grads(f, (x,), order=1, modes=("rev",))
+        # The per-row entries in float64 too.
+        m, s, tl = ops.cross_entropy_stats(x, t)
+        assert m.dtype == s.dtype == tl.dtype == jnp.float64
+        assert_close(m + jnp.log(s), jax.nn.logsumexp(x, axis=-1), jnp.float64)
+
+
+def test_int64_targets_are_narrowed_safely(rng):
+    n, v = 6, 40
+    with jax.enable_x64(True):
+        x = _logits(rng, n, v, jnp.float32)
+        # 2^32 + 3 would wrap onto class 3 in a plain cast; it must stay out of range (NaN).
+        t64 = jnp.asarray([3, 2**32 + 3, -1, -(2**40), 17, 2**31], jnp.int64)
+        loss = ops.softmax_cross_entropy(x, t64)
+        want = spec.softmax_cross_entropy(x, t64)
+        assert_close_nan(loss, want, jnp.float32)
+        assert np.isnan(loss[1]) and np.isnan(loss[3]) and np.isnan(loss[5]) and loss[2] == 0
+        dx = jax.grad(lambda x: jnp.nansum(ops.softmax_cross_entropy(x, t64)))(x)
+        assert np.all(np.isnan(np.asarray(dx[1]))) and np.all(np.asarray(dx[2]) == 0)
+    # A data loader's numpy int64 ids, without x64.
+    t_np = np.array([3, 2**32 + 3, -1, -(2**40), 17, 2**31], np.int64)
+    assert_close_nan(ops.softmax_cross_entropy(x, t_np), want, jnp.float32)
+
+
+def test_jit_and_remat(rng):
+    n, v = 11, 257
+    x, t = _logits(rng, n, v, jnp.float32), _targets(rng, n, v)
+
+    def loss(op, x):
+        return jnp.nansum(jnp.sin(op(x * 1.5, t)))
+
+    remat = jax.checkpoint(functools.partial(loss, ops.softmax_cross_entropy))
+    got = jax.jit(jax.value_and_grad(remat))(x)
+    want = jax.value_and_grad(functools.partial(loss, spec.softmax_cross_entropy))(x)
+    assert_close(got[0], want[0], jnp.float32)
+    assert_close_nan(got[1], want[1], jnp.float32, factor=2)
+
+
+def test_vmap(rng):
+    b, n, v = 3, 5, 129
+    x = _logits(rng, b * n, v, jnp.float32).reshape(b, n, v)
+    t = jnp.stack([_targets(rng, n, v) for _ in range(b)])
+
+    def run(op, x, t):
+        return (jax.vmap(op)(x, t),
+                jax.vmap(op, (0, None))(x, t[0]),  # shared targets
+                # Per-example gradients: the backward is batched too.
+                jax.vmap(jax.grad(lambda x, t: jnp.nansum(op(x, t) ** 2)))(x, t))
+
+    got = jax.jit(functools.partial(run, ops.softmax_cross_entropy))(x, t)
+    want = jax.jit(functools.partial(run, spec.softmax_cross_entropy))(x, t)
+    for g, w in zip(got, want):
+        assert_close_nan(g, w, jnp.float32, factor=2)
+
+
+def test_jacobian(rng):
+    # jacrev vmaps the backward over cotangents while the saved logits are not batched.
+    n, v = 4, 6
+    x, t = _logits(rng, n, v, jnp.float32), jnp.asarray([1, -1, 5, 0], jnp.int32)
+    got = jax.jacrev(lambda x: ops.softmax_cross_entropy(x, t))(x)
+    want = jax.jacrev(lambda x: spec.softmax_cross_entropy(x, t))(x)
+    assert_close(got, want, jnp.float32)
+
+
+def test_gradient_into_logits_buffer_is_safe(rng):
+    # dlogits reuses the logits buffer; wherever the logits live on, XLA must copy them first.
+    n, v = 7, 300
+    x = _logits(rng, n, v, jnp.float32)
+    x_before = np.asarray(x).copy()
+    t1, t2 = _targets(rng, n, v), jnp.asarray(rng.integers(0, v, n), jnp.int32)
+
+    # Eager: the backward's input is the caller's array.
+    _, vjp = jax.vjp(lambda x: ops.softmax_cross_entropy(x, t1), x)
+    d1, d2 = vjp(jnp.ones(n))[0], vjp(2 * jnp.ones(n))[0]
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+    assert_close_nan(2 * d1, d2, jnp.float32)
+
+    def two_losses(op, x):
+        # One logits buffer, two backward passes, and the logits returned as well.
+        y = x * 2.0
+        l = op(y, t1) + 3 * op(y, t2)
+        return jnp.nansum(l), y
+
+    got = jax.jit(jax.value_and_grad(functools.partial(two_losses, ops.softmax_cross_entropy),
+                                     has_aux=True))(x)
+    want = jax.value_and_grad(functools.partial(two_losses, spec.softmax_cross_entropy),
+                              has_aux=True)(x)
+    np.testing.assert_array_equal(np.asarray(got[0][1]), np.asarray(want[0][1]))
+    assert_close(got[0][0], want[0][0], jnp.float32)
+    assert_close_nan(got[1], want[1], jnp.float32, factor=2)
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+
+
+def test_shard_map_rows(rng):
+    devices = mesh_devices()
+    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
+    n, v = 3 * len(devices), 1001
+    x, t = _logits(rng, n, v, jnp.float32), _targets(rng, n, v)
+
+    @jax.jit
+    def sharded(x, t):
+        body = lambda x, t: jax.lax.psum(jnp.nansum(ops.softmax_cross_entropy(x, t)), "data")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P())(x, t)
+
+    got = jax.value_and_grad(sharded)(x, t)
+    want = jax.value_and_grad(lambda x: jnp.nansum(spec.softmax_cross_entropy(x, t)))(x)
+    assert_close(got[0], want[0], jnp.float32)
+    assert_close_nan(got[1], want[1], jnp.float32, factor=2)
+    hlo = sharded.lower(x, t).as_text()
+    assert "blujax_cross_entropy_fwd" in hlo and "all-gather" not in hlo
+
+
+# --- vocabulary split over devices --------------------------------------------------------------
+
+def _combine(parts, t, v, ignore_index=-1):
+    """The documented recipe, over a list instead of a device axis: (loss, lse)."""
+    m = functools.reduce(jnp.maximum, [p[0] for p in parts])
+    lse = m + jnp.log(sum(s * jnp.exp(pm - m) for pm, s, _ in parts))
+    picked = sum(p[2] for p in parts)
+    ignored, known = t == ignore_index, (t >= 0) & (t < v)
+    lse = jnp.where(known | ignored, lse, jnp.nan)
+    return jnp.where(ignored, 0, lse - picked), lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n,v,cut", [(9, 1001, 400), (5, 50304, 25152), (4, 3, 1)], ids=str)
+def test_vocab_split_stats_and_grad(rng, n, v, cut, dtype):
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, v)
+    halves = [(x[:, :cut], 0), (x[:, cut:], cut)]
+    parts = jax.jit(lambda halves: [ops.cross_entropy_stats(h, t, vocab_start=start)
+                                    for h, start in halves])(halves)
+    for (h, start), (m, s, tl) in zip(halves, parts):
+        hf = h.astype(jnp.float32)
+        assert_close(m, jnp.max(hf, axis=-1), jnp.float32)
+        assert_close(s, jnp.sum(jnp.exp(hf - m[:, None]), axis=-1), jnp.float32)
+        local = np.asarray(t) - start
+        inside = (local >= 0) & (local < h.shape[1])
+        want = np.where(inside, np.asarray(hf)[np.arange(n), np.clip(local, 0, h.shape[1] - 1)], 0)
+        np.testing.assert_array_equal(np.asarray(tl), want)
+    loss, lse = jax.jit(_combine, static_argnums=2)(parts, t, v)
+    ct = randn(rng, (n,), jnp.float32)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
+    dx = jax.jit(lambda halves, lse, ct: jnp.concatenate(
+        [ops.cross_entropy_grad(h, t, lse, ct, vocab_start=start) for h, start in halves],
+        axis=1))(halves, lse, ct)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)
+
+
+def test_vocab_start_may_be_traced(rng):
+    n, v = 5, 64
+    x, t = _logits(rng, n, v, jnp.float32), jnp.asarray(rng.integers(0, 2 * v, n), jnp.int32)
+    f = jax.jit(lambda x, t, start: ops.cross_entropy_stats(x, t, vocab_start=start)[2])
+    for start in (0, v):
+        local = np.asarray(t) - start
+        inside = (local >= 0) & (local < v)
+        want = np.where(inside, np.asarray(x)[np.arange(n), np.clip(local, 0, v - 1)], 0)
+        np.testing.assert_array_equal(np.asarray(f(x, t, jnp.int32(start))), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_vocab_parallel_shard_map(rng, dtype):
+    devices = mesh_devices()
+    tp = 4 if len(devices) % 4 == 0 else 1
+    mesh = jax.make_mesh((len(devices) // tp, tp), ("data", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+    n, v = 3 * (len(devices) // tp), 250 * tp
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, v, ignore_index=5)
+    ct = randn(rng, (n,), jnp.float32)
+
+    @jax.jit
+    def sharded(x, t):
+        f = functools.partial(ops.vocab_parallel_softmax_cross_entropy, axis_name="tensor",
+                              ignore_index=5)
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("data", "tensor"), P("data")),
+                             out_specs=P("data"))(x, t)
+
+    loss, dx = jax.jit(lambda x, t, ct: _vjp(lambda x: sharded(x, t), x, ct))(x, t, ct)
+    loss_ref, dx_ref = _vjp(
+        lambda x: spec.softmax_cross_entropy(x, t, ignore_index=5), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)
+    hlo = sharded.lower(x, t).as_text()
+    assert "blujax_cross_entropy_stats" in hlo and "all-gather" not in hlo
+
+
+def test_lowers_for_cuda():
+    # The GPU path lowers (with its logits/dlogits alias) even where no GPU is present.
+    x, t = jnp.ones((4, 50257), jnp.bfloat16), jnp.zeros(4, jnp.int32)
+    f = jax.jit(jax.value_and_grad(lambda x: ops.softmax_cross_entropy(x, t).mean()))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@blujax_cross_entropy_fwd" in text and "@blujax_cross_entropy_bwd" in text
+    assert "output_operand_aliases" in text
+
+
+# --- errors a user can act on, at trace time ----------------------------------------------------
+
+def test_bad_arguments_raise_clear_errors(rng):
+    x = randn(rng, (4, 8), jnp.float32)
+    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    ce = ops.softmax_cross_entropy
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        ce(x[0], t[0])
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        ce(x[None], t[None])
+    with pytest.raises(ValueError, match=r"targets must have shape \(4,\)"):
+        ce(x, t[:3])
+    with pytest.raises(ValueError, match=r"targets must have shape \(4,\)"):
+        ce(x, t[:, None])
+    with pytest.raises(TypeError, match="targets must be int32.*float32"):
+        ce(x, t.astype(jnp.float32))
+    with pytest.raises(TypeError, match="targets must be int32.*bool"):
+        ce(x, t > 2)
+    with pytest.raises(TypeError, match="targets must be int32.*uint32"):
+        ce(x, t.astype(jnp.uint32))
+    with pytest.raises(TypeError, match="logits has dtype int32"):
+        ce(t.astype(jnp.int32).reshape(2, 2), t[:2])
+    with pytest.raises(TypeError, match="logits has dtype float16"):
+        ce(x.astype(jnp.float16), t)
+    with pytest.raises(ValueError, match="no classes"):
+        ce(jnp.ones((4, 0)), t)
+    with pytest.raises(TypeError, match="ignore_index must be a Python int"):
+        ce(x, t, ignore_index=1.5)
+    with pytest.raises(ValueError, match="ignore_index must fit in int32"):
+        ce(x, t, ignore_index=2**31)
+    with pytest.raises(ValueError, match="vocab_start must be in"):
+        ops.cross_entropy_stats(x, t, vocab_start=-8)
+    with pytest.raises(TypeError, match="vocab_start must be an int"):
+        ops.cross_entropy_stats(x, t, vocab_start=jnp.float32(8))
+    with pytest.raises(TypeError, match="vocab_start must be an int"):
+        ops.cross_entropy_stats(x, t, vocab_start=jnp.zeros(2, jnp.int32))
+    lse = jnp.zeros(4, jnp.float32)
+    with pytest.raises(TypeError, match=r"lse must be float32\[4\]"):
+        ops.cross_entropy_grad(x, t, lse[:3], lse)
+    with pytest.raises(TypeError, match=r"g must be float32\[4\]"):
+        ops.cross_entropy_grad(x, t, lse, lse.astype(jnp.bfloat16))
+
+
+# --- handlers fed inconsistent buffers directly -------------------------------------------------
+
+def _raw(target, outs, *args, **attrs):
+    return jax.jit(lambda *a: jax.ffi.ffi_call(target, outs)(*a, **attrs))(*args)
+
+
+@pytest.mark.parametrize("case", ["targets_dtype", "targets_size", "loss_dtype", "lse_size",
+                                  "logits_dtype", "scalar_logits", "stats_size", "start_groups",
+                                  "start_dtype", "g_size", "dlogits_shape", "dlogits_dtype"])
+def test_handler_rejects_inconsistent_buffers(rng, case):
+    x = randn(rng, (4, 8), jnp.float32)
+    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    row = jnp.zeros(4, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    r4, out = sds((4,), jnp.float32), sds((4, 8), jnp.float32)
+    fwd, stats, bwd = ("blujax_cross_entropy_fwd", "blujax_cross_entropy_stats",
+                       "blujax_cross_entropy_bwd")
+    ig = np.int64(-1)
+    s0 = jnp.int32(0)
+    calls = {
+        "targets_dtype": lambda: _raw(fwd, (r4, r4), x, t.astype(jnp.float32), ignore_index=ig),
+        "targets_size": lambda: _raw(fwd, (r4, r4), x, t[:3], ignore_index=ig),
+        "loss_dtype": lambda: _raw(fwd, (sds((4,), jnp.bfloat16), r4), x, t, ignore_index=ig),
+        "lse_size": lambda: _raw(fwd, (r4, sds((5,), jnp.float32)), x, t, ignore_index=ig),
+        "logits_dtype": lambda: _raw(fwd, (r4, r4), x.astype(jnp.int32), t, ignore_index=ig),
+        "scalar_logits": lambda: _raw(fwd, (sds((), jnp.float32),) * 2, x[0, 0], t[0],
+                                      ignore_index=ig),
+        "stats_size": lambda: _raw(stats, (r4, r4, sds((3,), jnp.float32)), x, t, s0),
+        "start_groups": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.zeros(3, jnp.int32)),
+        "start_dtype": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.float32(0)),
+        "g_size": lambda: _raw(bwd, out, x, t, row, row[:2], s0, ignore_index=ig),
+        "dlogits_shape": lambda: _raw(bwd, sds((4, 9), jnp.float32), x, t, row, row, s0,
+                                      ignore_index=ig),
+        "dlogits_dtype": lambda: _raw(bwd, sds((4, 8), jnp.bfloat16), x, t, row, row, s0,
+                                      ignore_index=ig),
+    }
+    with pytest.raises(Exception, match="blujax_cross_entropy_(fwd|stats|bwd)"):
+        jax.block_until_ready(calls[case]())
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_cuda_rejects_float64_buffers():
+    x = np.ones((4, 8), np.float64)
+    with jax.enable_x64(True):
+        r4 = jax.ShapeDtypeStruct((4,), jnp.float64)
+        with pytest.raises(Exception, match="unsupported logits dtype float64"):
+            jax.block_until_ready(_raw("blujax_cross_entropy_fwd", (r4, r4), x,
+                                       np.zeros(4, np.int32), ignore_index=np.int64(-1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("v", [50257, 50304, 4099], ids=str)
+def test_cuda_many_rows(rng, v, dtype):
+    # Many more rows than blocks (every block loops), and rows at every alignment.
+    n = 2053
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, v)
+    ct = randn(rng, (n,), jnp.float32)
+    loss, dx = jax.jit(lambda x, ct: _vjp(lambda x: ops.softmax_cross_entropy(x, t), x, ct))(x, ct)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)

@@ -1,0 +1,93 @@
+// The softmax cross-entropy handler contract, shared by xla_ext/cpu/cross_entropy.cc and
+// xla_ext/cuda/cross_entropy.cu.
+//
+// blujax_cross_entropy_fwd   (logits, targets) -> (loss, lse)
+// blujax_cross_entropy_stats (logits, targets, vocab_start) -> (row_max, sum_exp, target_logit)
+// blujax_cross_entropy_bwd   (logits, targets, lse, g, vocab_start) -> dlogits
+//
+// logits is [..., V]: every leading index is one row of V classes. targets holds one int32 per
+// row. vocab_start is int32 and a device operand (a sharded caller passes axis_index * V):
+// either one value for all rows, or K values for the rows split into K equal consecutive
+// groups (what vmap's "broadcast_all" makes of a scalar). Per-row results are float32 (float64
+// for float64 logits); dlogits is like logits and may alias it (the backward reads each element
+// before it writes it).
+//
+// fwd (attribute ignore_index): lse = log(sum(exp(logits))); loss = lse - logits[target].
+//   Rows whose target == ignore_index get loss 0 and lse 0 and are not read; other targets
+//   outside [0, V) get loss NaN and lse NaN, so the backward turns their rows into NaN too.
+// stats: row_max = max(logits) (at least the most negative finite value, so that a row of -inf
+//   combines with others without NaN), sum_exp = sum(exp(logits - row_max)), target_logit =
+//   logits[target - vocab_start] when that is in [0, V), else 0. The log-sum-exp over a
+//   vocabulary split over devices is M + log(sum_i sum_exp_i * exp(row_max_i - M)) with M the
+//   largest row_max.
+// bwd (attribute ignore_index): dlogits = (exp(logits - lse) - [c == target - vocab_start]) * g;
+//   rows whose target == ignore_index are zeros (ignore_index is compared with the target as
+//   given, before vocab_start is subtracted).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "common/ffi_util.h"
+
+namespace blujax {
+
+struct CrossEntropyShape {
+  int64_t rows = 0;
+  int64_t vocab = 0;
+};
+
+inline ffi::DataType CrossEntropyStatType(ffi::DataType logits) {
+  return logits == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+inline ffi::Error CheckCrossEntropyLogits(const char* op, const ffi::AnyBuffer& logits,
+                                          bool allow_f64, CrossEntropyShape* shape) {
+  auto t = logits.element_type();
+  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
+            (allow_f64 && t == ffi::DataType::F64);
+  if (!ok)
+    return InvalidArgument(op, ": unsupported logits dtype ", DtypeName(t),
+                           " (this backend supports ",
+                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
+  if (logits.dimensions().size() < 1)
+    return InvalidArgument(op, ": logits must have rank >= 1 (the class axis last)");
+  shape->vocab = LastDim(logits);
+  if (shape->vocab < 1)
+    return InvalidArgument(op, ": the class axis of logits is empty (shape ", ShapeString(logits),
+                           ")");
+  // Targets are int32, so no class index beyond this is reachable; kernels index rows with int.
+  if (shape->vocab > std::numeric_limits<int32_t>::max())
+    return InvalidArgument(op, ": more than 2^31 - 1 classes");
+  shape->rows = static_cast<int64_t>(logits.element_count()) / shape->vocab;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckCrossEntropyTargets(const char* op, const ffi::AnyBuffer& targets,
+                                           const CrossEntropyShape& shape) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "targets", targets, ffi::DataType::S32));
+  return CheckCount(op, "targets", targets, shape.rows);
+}
+
+// A per-row float buffer (loss, lse, g, row_max, ...) of the statistics dtype.
+inline ffi::Error CheckCrossEntropyRowValues(const char* op, const char* name,
+                                             const ffi::AnyBuffer& b, const ffi::AnyBuffer& logits,
+                                             const CrossEntropyShape& shape) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, b, CrossEntropyStatType(logits.element_type())));
+  return CheckCount(op, name, b, shape.rows);
+}
+
+// Returns how many consecutive rows share one vocab_start value.
+inline ffi::Error CheckVocabStart(const char* op, const ffi::AnyBuffer& vocab_start,
+                                  const CrossEntropyShape& shape, int64_t* rows_per_start) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "vocab_start", vocab_start, ffi::DataType::S32));
+  const int64_t k = static_cast<int64_t>(vocab_start.element_count());
+  if (k < 1 || (shape.rows > 0 && shape.rows % k != 0))
+    return InvalidArgument(op, ": vocab_start has shape ", ShapeString(vocab_start),
+                           "; it must hold one value, or one per equal group of the ", shape.rows,
+                           " rows");
+  *rows_per_start = shape.rows > 0 ? shape.rows / k : 1;
+  return ffi::Error::Success();
+}
+
+}  // namespace blujax

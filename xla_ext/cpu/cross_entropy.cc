@@ -1,0 +1,215 @@
+// Softmax cross-entropy on the CPU: the reference twin of xla_ext/cuda/cross_entropy.cu (float32,
+// float64, and bfloat16 with float32 arithmetic). Handler contract: common/cross_entropy.h.
+//
+// Per row: m = max(x), s = sum(exp(x - m)), lse = m + log(s), loss = lse - x[target].
+// Backward, per element: dlogits = (exp(x - lse) - [c == target]) * g, in one pass; it reads
+// x[c] before writing dlogits[c], so dlogits may alias the logits buffer.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/bf16.h"
+#include "common/cross_entropy.h"
+#include "common/ffi_util.h"
+#include "common/registry.h"
+
+namespace blujax {
+namespace {
+
+template <typename T> using Stat = typename Compute<T>::type;
+
+// The row's max (floored at the most negative finite value, so that exp(x - max) of a row of
+// -inf is 0, not NaN) and sum(exp(x - max)). Several partial sums keep the rounding error of a
+// 50k-element sum small (the GPU sums in a tree, too).
+template <typename T>
+void RowMaxSum(const T* row, int64_t vocab, Stat<T>* max_out, Stat<T>* sum_out) {
+  using S = Stat<T>;
+  S m = std::numeric_limits<S>::lowest();
+  for (int64_t c = 0; c < vocab; ++c) {
+    const S v = Load(row, c);
+    m = v > m ? v : m;  // NaN never wins the max; it makes the sum NaN below
+  }
+  constexpr int kLanes = 8;
+  S part[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= vocab; c += kLanes)
+    for (int k = 0; k < kLanes; ++k) part[k] += std::exp(Load(row, c + k) - m);
+  for (; c < vocab; ++c) part[0] += std::exp(Load(row, c) - m);
+  S s = 0;
+  for (int k = 0; k < kLanes; ++k) s += part[k];
+  *max_out = m;
+  *sum_out = s;
+}
+
+template <typename T>
+void CrossEntropyFwdRows(const T* logits, const int32_t* targets, Stat<T>* loss, Stat<T>* lse,
+                         CrossEntropyShape shape, int64_t ignore_index) {
+  using S = Stat<T>;
+  const S nan = std::numeric_limits<S>::quiet_NaN();
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const int64_t t = targets[r];
+    if (t == ignore_index) {  // no gradient either, so the row is not even read
+      loss[r] = 0;
+      lse[r] = 0;
+      continue;
+    }
+    if (t < 0 || t >= shape.vocab) {
+      loss[r] = nan;
+      lse[r] = nan;
+      continue;
+    }
+    const T* row = logits + r * shape.vocab;
+    S m, s;
+    RowMaxSum(row, shape.vocab, &m, &s);
+    lse[r] = m + std::log(s);
+    loss[r] = lse[r] - Load(row, t);
+  }
+}
+
+template <typename T>
+void CrossEntropyStatsRows(const T* logits, const int32_t* targets, const int32_t* vocab_start,
+                           int64_t rows_per_start,
+                           Stat<T>* row_max, Stat<T>* sum_exp, Stat<T>* target_logit,
+                           CrossEntropyShape shape) {
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const T* row = logits + r * shape.vocab;
+    RowMaxSum(row, shape.vocab, &row_max[r], &sum_exp[r]);
+    const int64_t local = int64_t{targets[r]} - vocab_start[r / rows_per_start];
+    target_logit[r] = local >= 0 && local < shape.vocab ? Load(row, local) : Stat<T>(0);
+  }
+}
+
+// logits and dlogits may be the same buffer.
+template <typename T>
+void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>* lse,
+                         const Stat<T>* g, const int32_t* vocab_start, int64_t rows_per_start,
+                         T* dlogits,
+                         CrossEntropyShape shape, int64_t ignore_index) {
+  using S = Stat<T>;
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const int64_t off = r * shape.vocab;
+    if (targets[r] == ignore_index) {
+      for (int64_t c = 0; c < shape.vocab; ++c) Store(dlogits, off + c, S(0));
+      continue;
+    }
+    // May be outside [0, V): then no class of this row is the target.
+    const int64_t local = int64_t{targets[r]} - vocab_start[r / rows_per_start];
+    const S l = lse[r], gr = g[r];
+    for (int64_t c = 0; c < shape.vocab; ++c) {
+      const S p = std::exp(Load(logits, off + c) - l);
+      Store(dlogits, off + c, (p - (c == local ? S(1) : S(0))) * gr);
+    }
+  }
+}
+
+// Calls fn with the storage type of the logits (uint16_t stands for bfloat16).
+template <typename Fn>
+ffi::Error DispatchFloat(ffi::DataType t, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::F32: fn(float{}); return ffi::Error::Success();
+    case ffi::DataType::F64: fn(double{}); return ffi::Error::Success();
+    case ffi::DataType::BF16: fn(uint16_t{}); return ffi::Error::Success();
+    default: return InvalidArgument("unsupported dtype ", DtypeName(t));
+  }
+}
+
+template <typename T> const T* In(const ffi::AnyBuffer& b) {
+  return reinterpret_cast<const T*>(b.untyped_data());
+}
+template <typename T> T* Out(ffi::Result<ffi::AnyBuffer>& b) {
+  return reinterpret_cast<T*>(b->untyped_data());
+}
+
+ffi::Error CrossEntropyFwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
+                           ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                           int64_t ignore_index) {
+  const char* op = "blujax_cross_entropy_fwd";
+  CrossEntropyShape shape;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", *lse, logits, shape));
+  return DispatchFloat(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    CrossEntropyFwdRows<T>(In<T>(logits), In<int32_t>(targets), Out<Stat<T>>(loss),
+                           Out<Stat<T>>(lse), shape, ignore_index);
+  });
+}
+
+ffi::Error CrossEntropyStats(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
+                             ffi::AnyBuffer vocab_start, ffi::Result<ffi::AnyBuffer> row_max,
+                             ffi::Result<ffi::AnyBuffer> sum_exp,
+                             ffi::Result<ffi::AnyBuffer> target_logit) {
+  const char* op = "blujax_cross_entropy_stats";
+  CrossEntropyShape shape;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
+  int64_t rows_per_start = 1;
+  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "row_max", *row_max, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "sum_exp", *sum_exp, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(
+      CheckCrossEntropyRowValues(op, "target_logit", *target_logit, logits, shape));
+  return DispatchFloat(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    CrossEntropyStatsRows<T>(In<T>(logits), In<int32_t>(targets), In<int32_t>(vocab_start),
+                             rows_per_start, Out<Stat<T>>(row_max),
+                             Out<Stat<T>>(sum_exp), Out<Stat<T>>(target_logit), shape);
+  });
+}
+
+ffi::Error CrossEntropyBwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::AnyBuffer lse,
+                           ffi::AnyBuffer g, ffi::AnyBuffer vocab_start,
+                           ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index) {
+  const char* op = "blujax_cross_entropy_bwd";
+  CrossEntropyShape shape;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", lse, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "g", g, logits, shape));
+  int64_t rows_per_start = 1;
+  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  return DispatchFloat(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    CrossEntropyBwdRows<T>(In<T>(logits), In<int32_t>(targets), In<Stat<T>>(lse),
+                           In<Stat<T>>(g), In<int32_t>(vocab_start), rows_per_start,
+                           Out<T>(dlogits), shape, ignore_index);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // logits [..., V]
+                           .Arg<ffi::AnyBuffer>()   // targets [...] int32
+                           .Ret<ffi::AnyBuffer>()   // loss [...]
+                           .Ret<ffi::AnyBuffer>()   // lse [...]
+                           .Attr<int64_t>("ignore_index"));
+
+XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // logits [..., V]
+                           .Arg<ffi::AnyBuffer>()   // targets [...] int32, global class ids
+                           .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
+                           .Ret<ffi::AnyBuffer>()   // row_max [...]
+                           .Ret<ffi::AnyBuffer>()   // sum_exp [...]
+                           .Ret<ffi::AnyBuffer>()); // target_logit [...]
+
+XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // logits [..., V]
+                           .Arg<ffi::AnyBuffer>()   // targets [...] int32, global class ids
+                           .Arg<ffi::AnyBuffer>()   // lse [...]
+                           .Arg<ffi::AnyBuffer>()   // g [...], the loss cotangent
+                           .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
+                           .Ret<ffi::AnyBuffer>()   // dlogits [..., V], may alias logits
+                           .Attr<int64_t>("ignore_index"));
+
+BLUJAX_REGISTER(blujax_cross_entropy_fwd, kCrossEntropyFwd);
+BLUJAX_REGISTER(blujax_cross_entropy_stats, kCrossEntropyStats);
+BLUJAX_REGISTER(blujax_cross_entropy_bwd, kCrossEntropyBwd);
+
+}  // namespace blujax
