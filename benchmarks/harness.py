@@ -40,7 +40,7 @@ class Case:
     donate: bool = False
 
 
-def time_op(fn, make_args, bytes_per_call: int, samples: int = 11, calls: int | None = None,
+def time_op(fn, make_args, bytes_per_call: int, samples: int = 7, calls: int | None = None,
             programs: int = 4, donate: bool = False):
     """Median seconds per call of fn(*args).
 
