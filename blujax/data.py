@@ -1,0 +1,840 @@
+"""Token data: llm.c-format shards, the GPT-2 tokenizer that fills them, and the training loader.
+
+A shard is a header of 256 little-endian int32 (magic 20240520, version 1, token count, zeros)
+followed by that many uint16 GPT-2 tokens, so FineWeb/FineWeb-Edu shards published for llm.c
+load unchanged.
+
+    python -m blujax.data prepare corpus.jsonl more.txt --out data/ [--shard-tokens 100M]
+    python -m blujax.data check data/*.bin
+
+    loader = DataLoader("data/", "train", batch_size=64, seq_len=1024, seed=0)
+    inputs, targets = next(loader)        # int32 [64 // process_count, 1024]
+    state = loader.state()                # JSON-able; loader.load_state(state) resumes after it
+
+Offline, tiktoken reads its GPT-2 files from the folder named by TIKTOKEN_CACHE_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import glob
+import hashlib
+import json
+import mmap
+import multiprocessing
+import os
+import queue
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPE = np.dtype("<u2")
+GPT2_VOCAB_SIZE = 50257
+GPT2_EOT = 50256
+DEFAULT_SHARD_TOKENS = 100_000_000
+
+_SHARD_NAME = re.compile(r"^(?P<name>.+)_(?P<split>train|val)_(?P<index>\d{6})\.bin$")
+
+
+class ShardError(ValueError):
+    """A token shard that is not a valid llm.c shard; the message names the file."""
+
+
+# --------------------------------------------------------------------------------------------
+# Shard files
+
+
+def write_shard(path, tokens) -> Path:
+    """Writes tokens (any integer array, each in [0, 65535]) as an llm.c shard, atomically."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype}"
+                         f"{list(tokens.shape)}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
+        raise ValueError(f"{path}: tokens must lie in [0, 65535] to be stored as uint16")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_header(path) -> int:
+    """Checks a shard's header against its file size; returns its token count."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard: {e.strerror or e}") from e
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte llm.c "
+                         f"header: truncated, or not a token shard")
+    magic, version, count = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3))
+    if magic != MAGIC:
+        raise ShardError(f"{path}: bad magic number {magic} (expected {MAGIC}): not an llm.c "
+                         f"GPT-2 token shard, or its header is corrupt")
+    if version != VERSION:
+        raise ShardError(f"{path}: unsupported shard version {version} (expected {VERSION}: "
+                         f"uint16 GPT-2 tokens)")
+    if count < 0:
+        raise ShardError(f"{path}: corrupt header: negative token count {count}")
+    expected = HEADER_BYTES + count * TOKEN_DTYPE.itemsize
+    if size < expected:
+        raise ShardError(f"{path}: truncated: the header says {count} tokens ({expected} "
+                         f"bytes) but the file has {size} bytes")
+    if size > expected:
+        raise ShardError(f"{path}: {size - expected} bytes after the {count} tokens the "
+                         f"header announces: corrupt header or trailing data")
+    return count
+
+
+class Shard:
+    """A validated, memory-mapped shard: `tokens` is a read-only uint16 view of the file.
+
+    Pages of the mapping count in the process's resident memory once touched (large page-cache
+    folios map 2 MiB at a time), so readers call drop_pages() after using a region: the data
+    stays in the page cache, only this process's mapping of it goes.
+    """
+
+    def __init__(self, path, vocab_size: int = GPT2_VOCAB_SIZE, check_tokens: bool = True):
+        self.path = Path(path)
+        self.num_tokens = read_header(self.path)
+        self._file = open(self.path, "rb")
+        if self.num_tokens:
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self.tokens = np.frombuffer(self._mmap, dtype=TOKEN_DTYPE, count=self.num_tokens,
+                                        offset=HEADER_BYTES)
+        else:
+            self._mmap = None
+            self.tokens = np.zeros(0, TOKEN_DTYPE)
+        if check_tokens:
+            try:
+                self.check_tokens(vocab_size)
+            except ShardError:
+                self.close()
+                raise
+
+    def check_tokens(self, vocab_size: int, block: int = 2 << 20):
+        """Raises ShardError naming the first token id >= vocab_size."""
+        bad = None
+        for start in range(0, self.num_tokens, block):
+            part = self.tokens[start:start + block]
+            if int(part.max()) >= vocab_size:
+                bad = start + int(np.argmax(part >= vocab_size))
+            del part  # a view held by a traceback would keep the mapping from closing
+            self.drop_pages()
+            if bad is not None:
+                raise ShardError(f"{self.path}: token {bad} is {int(self.tokens[bad])}, not "
+                                 f"below the vocabulary size {vocab_size}: corrupt shard, or "
+                                 f"one made for another tokenizer")
+
+    def drop_pages(self):
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
+    def close(self):
+        self.tokens = None  # the view must go before the mapping can close
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a caller still holds a view of the tokens: it closes when that goes
+            self._mmap = None
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def find_shards(source, split: str | None = None) -> list[Path]:
+    """Shard paths, sorted: a file, a list of files, a glob pattern, or a directory.
+
+    In a directory (or with a pattern) split picks the files whose name has `_{split}` as a
+    word, as in llm.c's `fineweb_train_000001.bin` and `tiny_shakespeare_val.bin`.
+    """
+    if isinstance(source, (list, tuple)):
+        paths = [Path(p) for p in source]
+    else:
+        source = str(source)
+        if os.path.isdir(source):
+            if split is None:
+                raise ValueError(f"{source} is a directory: name the split to read from it "
+                                 f"(for example 'train' or 'val')")
+            paths = sorted(Path(source).glob("*.bin"))
+        elif any(c in source for c in "*?["):
+            paths = sorted(Path(p) for p in glob.glob(source))
+        else:
+            paths = [Path(source)]
+        if split is not None and (os.path.isdir(source) or len(paths) != 1):
+            word = re.compile(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)")
+            paths = [p for p in paths if word.search(p.stem)]
+    if not paths:
+        raise FileNotFoundError(f"no token shards found at {source!r}"
+                                + (f" for split {split!r}" if split else ""))
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Loader
+
+
+class Batch(NamedTuple):
+    """int32 [rows, T] arrays; targets[r, t] is the token after inputs[r, t]."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+
+
+def rank_slice(batch: Batch, rank: int, num_ranks: int) -> Batch:
+    """The rows of a batch that data-parallel rank `rank` of `num_ranks` trains on (views)."""
+    rows = batch.inputs.shape[0]
+    if not 0 <= rank < num_ranks or rows % num_ranks:
+        raise ValueError(f"cannot give rank {rank} of {num_ranks} an equal slice of {rows} rows")
+    per = rows // num_ranks
+    return Batch(batch.inputs[rank * per:(rank + 1) * per],
+                 batch.targets[rank * per:(rank + 1) * per])
+
+
+def _aligned_int32(shape, alignment: int = 64) -> np.ndarray:
+    count = int(np.prod(shape))
+    raw = np.empty(count + alignment // 4, dtype=np.int32)
+    skip = (-raw.ctypes.data % alignment) // 4
+    return raw[skip:skip + count].reshape(shape)
+
+
+class _Order:
+    """Which chunk of which shard is batch k of an epoch: shards in a seeded random order, and
+    each shard's chunks in a seeded random order of their own (as llm.c's loader shuffles)."""
+
+    def __init__(self, chunks_per_shard: Sequence[int], seed: int, shuffle: bool):
+        self.chunks = np.asarray(chunks_per_shard, dtype=np.int64)
+        self.seed, self.shuffle = seed, shuffle
+        self.per_epoch = int(self.chunks.sum())
+        self._epoch = None
+        self._perm_key = None
+
+    def _set_epoch(self, epoch: int):
+        if self._epoch != epoch:
+            n = len(self.chunks)
+            self.shards = (np.random.default_rng([self.seed, epoch, 0]).permutation(n)
+                           if self.shuffle else np.arange(n))
+            self.ends = np.cumsum(self.chunks[self.shards])
+            self._epoch = epoch
+
+    def shard_after(self, epoch: int, k: int) -> int:
+        """The next shard with batches after the one batch k of an epoch comes from."""
+        self._set_epoch(epoch)
+        pos = int(np.searchsorted(self.ends, k, side="right")) + 1
+        while True:
+            if pos == len(self.shards):
+                epoch, pos = epoch + 1, 0
+                self._set_epoch(epoch)
+            if self.chunks[self.shards[pos]]:
+                return int(self.shards[pos])
+            pos += 1
+
+    def locate(self, epoch: int, k: int) -> tuple[int, int]:
+        self._set_epoch(epoch)
+        pos = int(np.searchsorted(self.ends, k, side="right"))
+        shard = int(self.shards[pos])
+        within = k - (int(self.ends[pos - 1]) if pos else 0)
+        if not self.shuffle:
+            return shard, within
+        if self._perm_key != (epoch, shard):
+            rng = np.random.default_rng([self.seed, epoch, 1, shard])
+            self._perm = rng.permutation(int(self.chunks[shard]))
+            self._perm_key = (epoch, shard)
+        return shard, int(self._perm[within])
+
+
+@dataclasses.dataclass
+class _Slot:
+    inputs: np.ndarray
+    targets: np.ndarray
+    batch: Batch
+
+
+class _Producer:
+    """The prefetch thread's side. Holds no reference to the DataLoader, so that dropping the
+    loader stops the thread.
+
+    A shard's token ids are all checked before its first batch is handed out. Checking reads
+    the whole shard, so while one shard is read a second thread checks the next one.
+
+    Used buffers come back through a deque, which the thread polls (backing off to 1 ms) when
+    all are full: handing one back then costs the consumer no wake-up of another thread, which
+    on a virtual machine can take longer than the rest of next() together."""
+
+    _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
+
+    def __init__(self, paths, counts, vocab_size, order, tokens_per_batch, lo, hi, seq_len,
+                 slots, drop_bytes):
+        self.paths, self.counts, self.vocab_size = paths, counts, vocab_size
+        self.order, self.tokens_per_batch = order, tokens_per_batch
+        self.lo, self.hi, self.seq_len = lo, hi, seq_len
+        self.slots, self.drop_bytes = slots, drop_bytes
+        self.checks: dict[int, concurrent.futures.Future] = {}  # by shard, once per shard
+        self.checker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="blujax-data-check")
+        self.thread = None
+
+    def _check(self, s: int) -> concurrent.futures.Future:
+        if s not in self.checks:
+            self.checks[s] = self.checker.submit(self._check_shard, self.paths[s])
+        return self.checks[s]
+
+    def _check_shard(self, path):
+        Shard(path, self.vocab_size, check_tokens=True).close()
+
+    def start(self, epoch: int, k: int):
+        self.free: collections.deque = collections.deque(range(len(self.slots)))
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(epoch, k), daemon=True,
+                                       name="blujax-data-prefetch")
+        self.thread.start()
+
+    def stop(self):
+        if self.thread is not None:
+            self.stopping.set()
+            self.thread.join()
+            self.thread = None
+
+    def close(self):
+        self.stop()
+        self.checker.shutdown(wait=False, cancel_futures=True)
+
+    def _free_slot(self) -> int | None:
+        wait = self._POLL_MIN_S
+        while not self.stopping.is_set():
+            try:
+                return self.free.popleft()
+            except IndexError:
+                time.sleep(wait)
+                wait = min(2 * wait, self._POLL_MAX_S)
+        return None
+
+    def _run(self, epoch, k):
+        shard_index, shard, touched = None, None, 0
+        first = self.lo * self.seq_len  # this process's rows start here within a chunk
+        count = (self.hi - self.lo) * self.seq_len
+        try:
+            while True:
+                slot_index = self._free_slot()
+                if slot_index is None:
+                    break
+                s, chunk = self.order.locate(epoch, k)
+                if s != shard_index:
+                    if shard is not None:
+                        shard.close()
+                    self._check(s).result()  # raises the shard's ShardError
+                    shard = Shard(self.paths[s], self.vocab_size, check_tokens=False)
+                    shard_index, touched = s, 0
+                    self._check(self.order.shard_after(epoch, k))
+                slot = self.slots[slot_index]
+                start = chunk * self.tokens_per_batch + first
+                np.copyto(slot.inputs.reshape(-1), shard.tokens[start:start + count])
+                np.copyto(slot.targets.reshape(-1), shard.tokens[start + 1:start + 1 + count])
+                # Large page-cache folios map up to 2 MiB around what was read.
+                touched += 4 * count + (2 << 20)
+                if touched >= self.drop_bytes:
+                    shard.drop_pages()
+                    touched = 0
+                self.ready.put((slot_index, epoch, k))
+                k += 1
+                if k == self.order.per_epoch:
+                    epoch, k = epoch + 1, 0
+        except BaseException as e:  # handed to the consumer, raised by next()
+            self.ready.put(e)
+        finally:
+            if shard is not None:
+                shard.drop_pages()
+                shard.close()
+
+
+class DataLoader:
+    """Batches of (inputs, targets) from llm.c token shards, prefetched by a background thread.
+
+    Each batch is one contiguous chunk of batch_size * seq_len + 1 tokens of a shard; chunks
+    are visited in an order fixed by the seed (shards shuffled, then each shard's chunks), each
+    once per epoch, epochs without end. With several processes, process i of n reads only rows
+    [i * B/n, (i+1) * B/n) of every batch (B = batch_size, the global batch); rank_slice()
+    splits those rows further between a process's data-parallel ranks.
+
+    The returned arrays live in buffers allocated once and reused: a batch is valid until the
+    next call to next(). Copy it (device_put does) to keep it longer.
+    """
+
+    def __init__(self, shards, split: str | None = None, *, batch_size: int, seq_len: int,
+                 seed: int = 0, shuffle: bool = True, process_index: int | None = None,
+                 process_count: int | None = None, prefetch: int = 4,
+                 vocab_size: int = GPT2_VOCAB_SIZE, drop_bytes: int = 8 << 20):
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, "
+                             f"{seq_len}")
+        if process_index is None or process_count is None:
+            import jax  # the default slices by JAX's processes (one in a single-host run)
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+        if batch_size % process_count:
+            raise ValueError(f"batch_size {batch_size} does not split evenly between "
+                             f"{process_count} processes")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.paths = find_shards(shards, split)
+        self.counts = [read_header(p) for p in self.paths]
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.process_index, self.process_count = process_index, process_count
+        tokens_per_batch = batch_size * seq_len
+        # A chunk needs one token more than it trains on: the last target.
+        chunks = [max(0, (c - 1) // tokens_per_batch) for c in self.counts]
+        if not any(chunks):
+            raise ValueError(f"no shard holds the {tokens_per_batch + 1} tokens one batch of "
+                             f"{batch_size} x {seq_len} needs (largest: {max(self.counts)}, "
+                             f"in {len(self.paths)} shard(s) from {shards!r})")
+        self.batches_per_epoch = sum(chunks)
+        rows = batch_size // process_count
+        self.rows = rows
+        slots = []
+        for _ in range(prefetch + 1):  # the consumer holds one while `prefetch` wait ready
+            inputs = _aligned_int32((rows, seq_len))
+            targets = _aligned_int32((rows, seq_len))
+            slots.append(_Slot(inputs, targets, Batch(inputs, targets)))
+        self._slots = slots
+        self._producer = _Producer(self.paths, self.counts, vocab_size,
+                                   _Order(chunks, self.seed, self.shuffle), tokens_per_batch,
+                                   process_index * rows, (process_index + 1) * rows, seq_len,
+                                   slots, drop_bytes)
+        self._fingerprint = hashlib.sha256(json.dumps(
+            [[p.name, c] for p, c in zip(self.paths, self.counts)]).encode()).hexdigest()[:16]
+        self._held = None
+        self._error = None
+        self._epoch, self._batch = 0, 0
+        self._producer.start(0, 0)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._error is not None:
+            raise self._error
+        producer = self._producer
+        if self._held is not None:
+            producer.free.append(self._held)
+            self._held = None
+        item = producer.ready.get()
+        if isinstance(item, BaseException):
+            self._error = item
+            raise item
+        slot_index, epoch, k = item
+        self._held = slot_index
+        self._epoch, self._batch = (epoch, k + 1) if k + 1 < self.batches_per_epoch else (
+            epoch + 1, 0)
+        return self._slots[slot_index].batch
+
+    def state(self) -> dict:
+        """Where the loader stands: load_state() of it continues with the next batch."""
+        return {"epoch": self._epoch, "batch": self._batch, "seed": self.seed,
+                "shuffle": self.shuffle, "batch_size": self.batch_size,
+                "seq_len": self.seq_len, "shards": self._fingerprint,
+                "batches_per_epoch": self.batches_per_epoch}
+
+    def load_state(self, state: dict):
+        """Continues from a state() of a loader over the same shards, seed and batch shape
+        (with any number of processes)."""
+        for key in ("seed", "shuffle", "batch_size", "seq_len", "shards"):
+            if state.get(key) != self.state()[key]:
+                what = "the shard files (names or token counts)" if key == "shards" else key
+                raise ValueError(f"loader state does not match this loader: {what} differs "
+                                 f"({state.get(key)!r} saved, {self.state()[key]!r} here), so "
+                                 f"it would not continue the same order of batches")
+        epoch, k = int(state["epoch"]), int(state["batch"])
+        if epoch < 0 or not 0 <= k < self.batches_per_epoch:
+            raise ValueError(f"loader state position epoch {epoch}, batch {k} is out of range "
+                             f"({self.batches_per_epoch} batches per epoch)")
+        self._producer.stop()
+        self._held, self._error = None, None
+        self._epoch, self._batch = epoch, k
+        self._producer.start(epoch, k)
+
+    def close(self):
+        self._producer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        producer = getattr(self, "_producer", None)
+        if producer is not None:
+            producer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing text into shards
+
+
+def get_encoding(name: str = "gpt2"):
+    """tiktoken's encoding, with an error that says what to do on an offline machine."""
+    try:
+        import tiktoken
+    except ImportError as e:
+        raise RuntimeError("tokenizing needs tiktoken (pip install tiktoken)") from e
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:
+        raise RuntimeError(
+            f"tiktoken could not load the {name!r} encoding ({type(e).__name__}: {e}). "
+            f"Without network access, set TIKTOKEN_CACHE_DIR to a folder holding its cached "
+            f"files (see the README)") from e
+
+
+_WORKER_ENCODING = None
+
+
+def _init_worker(name):
+    global _WORKER_ENCODING
+    _WORKER_ENCODING = get_encoding(name)
+
+
+def _encode_document(item):
+    """[end-of-text] + the document's tokens, as llm.c's fineweb.py writes them. Special-token
+    text inside a document is encoded as plain text, never as a control token."""
+    text, nbytes = item
+    enc = _WORKER_ENCODING
+    ids = enc.encode_ordinary(text)
+    tokens = np.empty(len(ids) + 1, np.uint16)
+    tokens[0] = enc.eot_token
+    tokens[1:] = ids
+    return tokens, nbytes
+
+
+def _documents(inputs: Sequence[Path], separator: str | None, text_field: str):
+    """(text, bytes) of every document, in order: a text file is one document, or one per
+    piece between separators (which stay with the piece before them); a JSON-lines file
+    (.jsonl, .ndjson) has one per non-blank line, its `text_field` string."""
+    for path in inputs:
+        if path.suffix.lower() in (".jsonl", ".ndjson"):
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except ValueError as e:
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                    text = record.get(text_field) if isinstance(record, dict) else None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path}:{lineno}: no string field {text_field!r}")
+                    yield text, len(line)
+        else:
+            text = path.read_text(encoding="utf-8")
+            if separator:
+                pieces = text.split(separator)
+                for i, piece in enumerate(pieces):
+                    doc = piece + separator if i < len(pieces) - 1 else piece
+                    yield doc, len(doc.encode("utf-8"))
+            else:
+                yield text, path.stat().st_size
+
+
+@dataclasses.dataclass
+class PrepareResult:
+    files: list[Path]       # every shard of the data set, in order
+    written: list[Path]     # those this run wrote
+    skipped: list[Path]     # those already complete from an earlier run
+    tokens: dict[str, int]  # tokens per split
+
+
+def _shard_sizes(shard_tokens: int, val_tokens: int):
+    """(split, capacity) of shard 0, 1, ...: the first val_tokens go to val, in shards of at
+    most shard_tokens, and the rest to train."""
+    index, left = 0, val_tokens
+    while left > 0:
+        size = min(shard_tokens, left)
+        yield "val", size
+        left -= size
+        index += 1
+    while True:
+        yield "train", shard_tokens
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, val_tokens: int | None = None,
+            workers: int | None = None, doc_separator: str | None = None,
+            text_field: str = "text", encoding: str = "gpt2",
+            progress: bool = True) -> PrepareResult:
+    """Tokenizes documents into llm.c shards `{name}_{val|train}_{index:06d}.bin` in out_dir.
+
+    Every document is written as [end-of-text] + its tokens. The first val_tokens tokens
+    (default: one shard's worth, as llm.c's fineweb.py does) form the validation split, the
+    rest the training split. `workers` processes tokenize in parallel (default: all CPUs;
+    1 tokenizes in this process). A re-run with the same inputs and settings keeps every
+    complete shard (checked against the sha256 it recorded) and continues after the last one,
+    without tokenizing the documents before it again; partial shards are rewritten.
+    """
+    inputs = [Path(p) for p in inputs]
+    if not inputs:
+        raise ValueError("no input files")
+    for p in inputs:
+        if not p.is_file():
+            raise FileNotFoundError(f"input {p} is not a file")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    val_tokens = shard_tokens if val_tokens is None else int(val_tokens)
+    if val_tokens < 0:
+        raise ValueError(f"val_tokens must be >= 0, got {val_tokens}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = name or inputs[0].name.split(".")[0]
+    enc = get_encoding(encoding)  # fails early, here, when the tokenizer cannot load
+    if enc.n_vocab > 1 << 16:
+        raise ValueError(f"encoding {encoding!r} has {enc.n_vocab} tokens, more than uint16 "
+                         f"shards hold")
+    workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+
+    settings = {"inputs": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
+                           for p in inputs],
+                "shard_tokens": shard_tokens, "val_tokens": val_tokens,
+                "doc_separator": doc_separator, "text_field": text_field,
+                "encoding": encoding}
+    progress_path = out_dir / f"{name}.prepare.json"
+    for partial in out_dir.glob(f"{glob.escape(name)}_*.bin.tmp"):
+        partial.unlink()  # a shard an interrupted run was writing
+    done = _completed_shards(progress_path, settings, out_dir)
+    if done and done[-1].get("last"):
+        files = [out_dir / r["file"] for r in done]
+        return PrepareResult(files, [], files, _count_splits(done))
+
+    next_doc, skip = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
+    records = list(done)
+    sizes = _shard_sizes(shard_tokens, val_tokens)
+    for _ in records:
+        next(sizes)
+    total_bytes = sum(p.stat().st_size for p in inputs)
+
+    from tqdm import tqdm
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress or None,
+               desc=f"tokenizing into {out_dir}", file=sys.stderr)
+    written = []
+    split, capacity = next(sizes)
+    buf = np.empty(capacity if capacity else 1, np.uint16)
+    fill = 0
+
+    def flush(cursor, last):
+        nonlocal split, capacity, buf, fill
+        index = len(records)
+        path = out_dir / f"{name}_{split}_{index:06d}.bin"
+        write_shard(path, buf[:fill])
+        records.append({"file": path.name, "split": split, "tokens": int(fill),
+                        "sha256": _file_sha256(path), "next_doc": cursor[0],
+                        "next_offset": cursor[1], "last": last})
+        _write_json(progress_path, {"settings": settings, "shards": records})
+        written.append(path)
+        bar.set_postfix_str(f"{path.name} written")
+        split, capacity = next(sizes)
+        if buf.size < capacity:
+            buf = np.empty(capacity, np.uint16)
+        fill = 0
+
+    docs = _documents(inputs, doc_separator, text_field)
+    pool = None
+    try:
+        def pending():
+            for index, item in enumerate(docs):
+                if index < next_doc:
+                    bar.update(item[1])  # read again, not tokenized again
+                    continue
+                yield item
+
+        if workers > 1:
+            context = multiprocessing.get_context(
+                "forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                else "spawn")  # never fork: the caller may run JAX's threads
+            pool = context.Pool(workers, initializer=_init_worker, initargs=(encoding,))
+            encoded = pool.imap(_encode_document, pending(), chunksize=8)
+        else:
+            _init_worker(encoding)
+            encoded = map(_encode_document, pending())
+        doc_index = next_doc
+        for tokens, nbytes in encoded:
+            offset = skip if doc_index == next_doc else 0
+            while offset < len(tokens):
+                take = min(capacity - fill, len(tokens) - offset)
+                buf[fill:fill + take] = tokens[offset:offset + take]
+                fill += take
+                offset += take
+                if fill == capacity:
+                    cursor = ((doc_index, offset) if offset < len(tokens)
+                              else (doc_index + 1, 0))
+                    flush(cursor, last=False)
+            doc_index += 1
+            bar.update(nbytes)
+        if doc_index == 0:
+            raise ValueError(f"no documents in {', '.join(map(str, inputs))}")
+        if fill or not records:
+            flush((doc_index, 0), last=True)
+        else:
+            records[-1]["last"] = True
+            _write_json(progress_path, {"settings": settings, "shards": records})
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        bar.close()
+
+    files = [out_dir / r["file"] for r in records]
+    # Shards of this name beyond the last one belong to an earlier, different run.
+    keep = {f.name for f in files}
+    for stale in out_dir.glob(f"{glob.escape(name)}_*.bin"):
+        m = _SHARD_NAME.match(stale.name)
+        if m and m["name"] == name and stale.name not in keep:
+            stale.unlink()
+    tokens = _count_splits(records)
+    if val_tokens and not tokens.get("train"):
+        print(f"warning: all {tokens.get('val', 0)} tokens went to the validation split; "
+              f"lower val_tokens to leave some for training", file=sys.stderr)
+    return PrepareResult(files, written, [out_dir / r["file"] for r in done], tokens)
+
+
+def _count_splits(records) -> dict[str, int]:
+    tokens: dict[str, int] = {}
+    for r in records:
+        tokens[r["split"]] = tokens.get(r["split"], 0) + r["tokens"]
+    return tokens
+
+
+def _completed_shards(progress_path: Path, settings: dict, out_dir: Path) -> list[dict]:
+    """The records of an earlier run's shards that are complete and intact, in order, up to
+    the first that is not; none when that run had other inputs or settings."""
+    try:
+        saved = json.loads(progress_path.read_text())
+    except (OSError, ValueError):
+        return []
+    if saved.get("settings") != settings:
+        return []
+    good = []
+    for record in saved.get("shards", []):
+        path = out_dir / record["file"]
+        try:
+            if read_header(path) != record["tokens"] or _file_sha256(path) != record["sha256"]:
+                break
+        except ShardError:
+            break
+        good.append(record)
+    return good
+
+
+def _write_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _count(text: str) -> int:
+    """100M, 1.5G, 32768, 1e6 -> an int."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:].lower())
+    try:
+        value = float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole count: {text!r}")
+    return int(value)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m blujax.data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="tokenize text / JSON-lines files into shards")
+    p.add_argument("inputs", nargs="+", type=Path,
+                   help="text files (one document each) and .jsonl files (one per line)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--name", help="shard name prefix (default: the first input's name)")
+    p.add_argument("--shard-tokens", type=_count, default=DEFAULT_SHARD_TOKENS,
+                   help="tokens per shard (default 100M)")
+    p.add_argument("--val-tokens", type=_count, default=None,
+                   help="tokens of the validation split, taken first (default: one shard)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizing processes (default: all CPUs)")
+    p.add_argument("--paragraph-docs", action="store_true",
+                   help="each blank-line-separated paragraph of a text file is a document "
+                        "(llm.c's tinyshakespeare convention)")
+    p.add_argument("--text-field", default="text", help="JSON field with the text")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = commands.add_parser("check", help="validate shards: header, size, token range")
+    c.add_argument("shards", nargs="+", type=Path)
+    c.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    try:
+        return _run_command(args)
+    except (ValueError, OSError, RuntimeError) as e:  # bad input, said plainly
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_command(args) -> int:
+    if args.command == "prepare":
+        result = prepare(args.inputs, args.out, name=args.name, shard_tokens=args.shard_tokens,
+                         val_tokens=args.val_tokens, workers=args.workers,
+                         doc_separator="\n\n" if args.paragraph_docs else None,
+                         text_field=args.text_field, progress=not args.no_progress)
+        print(f"{len(result.files)} shards in {args.out} ({len(result.written)} written, "
+              f"{len(result.skipped)} already complete); tokens: "
+              + ", ".join(f"{k} {v:,}" for k, v in sorted(result.tokens.items())))
+        return 0
+    failed = 0
+    for path in args.shards:
+        try:
+            with Shard(path, args.vocab_size) as shard:
+                print(f"{path}: ok, {shard.num_tokens:,} tokens")
+        except ShardError as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    from blujax.data import main as _main  # the package's copy, so workers can unpickle
+    sys.exit(_main())

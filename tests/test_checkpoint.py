@@ -1,0 +1,309 @@
+"""Checkpoints: round trips (bf16, optax states, PRNG keys, sharded arrays onto other device
+counts), asynchronous saves, atomicity under failures, keep-last-N, and refusal of corrupt
+files. The sharded tests use the 8 emulated CPU devices that conftest.py asks for."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from blujax.checkpoint import Checkpointer, CheckpointError
+
+
+@dataclasses.dataclass
+class Config:
+    n_layer: int = 3
+    lr: float = 6e-4
+    name: str = "gpt2-test"
+
+
+def make_state(rng):
+    params = {"wte": jnp.asarray(rng.standard_normal((37, 12)), jnp.float32),
+              "blocks": [{"w": jnp.asarray(rng.standard_normal((12, 5)), jnp.bfloat16),
+                          "b": jnp.asarray(rng.standard_normal(5), jnp.float16)}
+                         for _ in range(2)]}
+    opt = optax.adamw(1e-3)
+    opt_state = opt.init(params)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.5, params)
+    _, opt_state = opt.update(grads, opt_state, params)  # mu, nu, count not zero
+    return {"params": params, "opt_state": opt_state, "rng": jax.random.key(42),
+            "raw_key": jax.random.PRNGKey(7), "mask": np.array([True, False, True]),
+            "ema": np.asarray(rng.standard_normal(4), np.float64), "scale": 0.25,
+            "tokens_seen": np.int64(123_456_789_012)}
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(x) == jax.random.key_impl(y)
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert type(x) is type(y) or (isinstance(x, jax.Array) and isinstance(y, jax.Array)), \
+            (path, type(x), type(y))
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)  # bit for bit
+
+
+def test_round_trip(tmp_path, rng):
+    state = make_state(rng)
+    loader = {"epoch": 1, "batch": 17, "seed": 0, "shards": "abc"}
+    with Checkpointer(tmp_path) as ckpt:
+        info = ckpt.save(100, state, loader=loader, config=Config())
+        assert isinstance(info.stall_s, float) and info.stall_s >= 0
+        assert ckpt.wait() is info and info.write_s > 0
+        restored = ckpt.restore(like=state)
+        meta = ckpt.metadata()
+    assert restored.step == 100 and meta["step"] == 100
+    assert restored.loader == loader == meta["loader"]
+    assert Config(**restored.config) == Config()
+    assert_trees_equal(state, restored.tree)
+    assert restored.tree["params"]["blocks"][0]["w"].dtype == jnp.bfloat16
+    # Without a template: a flat dict of numpy arrays by key path.
+    raw = Checkpointer(tmp_path).restore().tree
+    assert raw["['params']['blocks'][1]['w']"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(raw["['opt_state'][0].mu['wte']"],
+                                  state["opt_state"][0].mu["wte"])
+    np.testing.assert_array_equal(raw["['rng']"], jax.random.key_data(state["rng"]))
+
+
+def sharded_tree(rng, mesh):
+    """Arrays laid out over a 4 x 2 mesh in several ways, with their host values."""
+    specs = {"both": ((16, 12), jnp.float32, P("data", "model")),
+             "rows": ((8, 6), jnp.bfloat16, P("model", None)),
+             "flat8": ((24, 5), jnp.float32, P(("data", "model"), None)),
+             "replicated": ((10,), jnp.float32, P()),
+             "odd": ((5, 3), jnp.int32, P())}
+    host = {k: np.asarray(jnp.asarray(rng.standard_normal(s) * 100, d))
+            for k, (s, d, _) in specs.items()}
+    tree = {k: jax.device_put(host[k], NamedSharding(mesh, spec))
+            for k, (_, _, spec) in specs.items()}
+    return host, tree
+
+
+def cpu_devices(n):
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        pytest.skip(f"needs {n} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    return devices
+
+
+def test_sharded_restore_onto_other_device_counts(tmp_path, rng):
+    devices = cpu_devices(8)
+    mesh8 = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    host, tree = sharded_tree(rng, mesh8)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"params": tree, "key": jax.random.key(3)})
+    manifest = json.loads((tmp_path / "step_00000001" / "manifest.json").read_text())
+    chunks = {r["path"]: len(r["chunks"]) for r in manifest["arrays"]}
+    assert chunks["['params']['both']"] == 8 and chunks["['params']['rows']"] == 2
+    assert chunks["['params']['replicated']"] == 1  # replicas are written once
+
+    mesh4 = Mesh(np.array(devices[4:8]).reshape(2, 2), ("data", "model"))
+    mesh1 = Mesh(np.array(devices[7:8]).reshape(1, 1), ("data", "model"))
+    layouts = {
+        "same mesh": tree,
+        "4 devices": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+            mesh4, {"both": P(None, "data"), "odd": P()}.get(k, P("data"))))
+            for k, v in tree.items()},
+        "1 device": {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                             sharding=NamedSharding(mesh1, P()))
+                     for k, v in tree.items()},
+    }
+    for label, like in layouts.items():
+        key_like = jax.device_put(jax.random.key(0), NamedSharding(mesh4, P()))
+        out = Checkpointer(tmp_path).restore(like={"params": like, "key": key_like})
+        for k, want in host.items():
+            got = out.tree["params"][k]
+            assert got.sharding.is_equivalent_to(like[k].sharding, got.ndim), (label, k)
+            assert got.dtype == want.dtype
+            assert np.asarray(got).tobytes() == want.tobytes(), (label, k)
+        assert out.tree["key"].sharding == key_like.sharding
+        np.testing.assert_array_equal(jax.random.key_data(out.tree["key"]),
+                                      jax.random.key_data(jax.random.key(3)))
+
+
+def array_file(ckpt_dir, name, chunk=0):
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    record = next(r for r in manifest["arrays"] if r["path"] == name)
+    return ckpt_dir / record["chunks"][chunk]["file"]
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path, rng):
+    state = make_state(rng)
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(5, state)
+    step_dir = tmp_path / "step_00000005"
+
+    def damage(path, how):
+        raw = bytearray(path.read_bytes())
+        if how == "flip":
+            raw[len(raw) // 2] ^= 0x04
+        else:
+            raw = raw[:-2]
+        path.write_bytes(bytes(raw))
+
+    name = "['params']['blocks'][1]['w']"
+    damage(array_file(step_dir, name), "flip")
+    with pytest.raises(CheckpointError, match=r"array \['params'\]\['blocks'\]\[1\]\['w'\] "
+                                              r".*checksum mismatch"):
+        ckpt.restore(like=state)
+
+    ckpt.save(5, state)  # a fresh, good copy of step 5 replaces the damaged one
+    assert_trees_equal(state, ckpt.restore(like=state).tree)
+    damage(array_file(step_dir, "['opt_state'][0].nu['wte']"), "truncate")
+    with pytest.raises(CheckpointError, match=r"nu\['wte'\].*truncated: 1774 bytes, "
+                                              r"expected 1776"):
+        ckpt.restore(like=state)
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpt.restore()
+
+    ckpt.save(5, state)
+    manifest = step_dir / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step": 5', '"step": 6'))
+    with pytest.raises(CheckpointError, match="manifest.json fails its checksum"):
+        ckpt.restore(like=state)
+    manifest.write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json is corrupt"):
+        ckpt.metadata()
+
+
+def test_failed_save_leaves_previous_checkpoint(tmp_path, rng, monkeypatch):
+    state = make_state(rng)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, state)
+    ckpt.wait()
+    later = jax.tree.map(lambda x: x, state)
+    later["params"]["wte"] = state["params"]["wte"] + 1
+
+    # An exception in the middle of writing the arrays (the disk fails, say) ...
+    calls = []
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        if len(calls) == 4:
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    ckpt.save(2, later)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.wait()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    # ... or between writing everything and the rename that makes it the checkpoint.
+    def crash(tmp, final):
+        raise RuntimeError("simulated crash before the rename")
+
+    monkeypatch.setattr(Checkpointer, "_commit", staticmethod(crash))
+    ckpt.save(3, later)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ckpt.wait()
+    monkeypatch.undo()
+
+    assert ckpt.steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    restored = Checkpointer(tmp_path).restore(like=state)
+    assert restored.step == 1
+    assert_trees_equal(state, restored.tree)
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    # A real crash: the process dies (os._exit) after writing step 2, before renaming it.
+    script = textwrap.dedent("""
+        import os, sys
+        import jax.numpy as jnp
+        from blujax.checkpoint import Checkpointer
+        ckpt = Checkpointer(sys.argv[1], async_save=False)
+        ckpt.save(1, {"w": jnp.arange(10.0)})
+        Checkpointer._commit = lambda self, tmp, final: os._exit(3)
+        ckpt.save(2, {"w": jnp.arange(10.0) * 2})
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3, run.stderr
+    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())
+    ckpt = Checkpointer(tmp_path)  # tidies the leftover temporary directory
+    assert ckpt.steps() == [1] and ckpt.latest_step() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    out = ckpt.restore(like={"w": jnp.zeros(10)})
+    np.testing.assert_array_equal(out.tree["w"], np.arange(10.0))
+
+    # Killed between moving an older copy of a step aside and renaming the new one in.
+    os.rename(tmp_path / "step_00000001", tmp_path / ".old-step_00000001-0123abcd")
+    assert Checkpointer(tmp_path).steps() == [1]
+
+
+def test_keep_last_n(tmp_path, rng):
+    ckpt = Checkpointer(tmp_path, keep=2)
+    x = jnp.asarray(rng.standard_normal(7), jnp.float32)
+    for step in range(1, 6):
+        ckpt.save(step, {"x": x * step})
+    ckpt.wait()
+    assert ckpt.steps() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
+    np.testing.assert_array_equal(ckpt.restore(like={"x": x}, step=4).tree["x"], x * 4)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 1 .*\[4, 5\]"):
+        ckpt.restore(like={"x": x}, step=1)
+    ckpt.save(5, {"x": x * 50})  # the same step again replaces it
+    assert ckpt.latest_step() == 5 and ckpt.steps() == [4, 5]
+    np.testing.assert_array_equal(ckpt.restore(like={"x": x}).tree["x"], x * 50)
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        Checkpointer(tmp_path, keep=0)
+
+
+def test_async_save_snapshots_and_reports_stall(tmp_path, rng, monkeypatch):
+    host = rng.standard_normal((64, 64)).astype(np.float32)
+    params = {"w": jnp.asarray(host), "n": host.copy()}
+    # Slow writes: the save must still return at once, with the arrays as they were.
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (time.sleep(0.05), real_fsync(fd)))
+    ckpt = Checkpointer(tmp_path)
+    info = ckpt.save(1, params)
+    assert ckpt.in_flight()
+    step = jax.jit(lambda p: jax.tree.map(lambda a: a * 3, p), donate_argnums=0)
+    params["n"] *= 0  # the caller changes a numpy array in place ...
+    params = step({"w": params["w"], "n": jnp.asarray(params["n"])})  # ... and donates w
+    jax.block_until_ready(params)
+    assert ckpt.wait() is info
+    assert info.stall_s < info.write_s and info.write_s >= 0.05
+    out = ckpt.restore(like={"w": jnp.zeros((64, 64)), "n": np.zeros((64, 64), np.float32)})
+    np.testing.assert_array_equal(out.tree["w"], host)
+    np.testing.assert_array_equal(out.tree["n"], host)
+    assert isinstance(out.tree["n"], np.ndarray)
+
+
+def test_restore_mismatches_and_bad_saves(tmp_path, rng):
+    state = {"a": jnp.ones((3, 4), jnp.float32), "b": {"c": jnp.zeros(2, jnp.int32)}}
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        ckpt.restore(like=state)
+    ckpt.save(0, state)
+    with pytest.raises(CheckpointError, match=r"not in the checkpoint: \['d'\]; in the "
+                                              r"checkpoint but not in the tree: \['a'\]"):
+        ckpt.restore(like={"d": state["a"], "b": state["b"]})
+    with pytest.raises(CheckpointError, match=r"\['a'\] has shape \[3, 4\], the tree \[4, 3\]"):
+        ckpt.restore(like={"a": jnp.ones((4, 3)), "b": state["b"]})
+    with pytest.raises(CheckpointError, match=r"\['a'\] is float32, the tree bfloat16"):
+        ckpt.restore(like={"a": jnp.ones((3, 4), jnp.bfloat16), "b": state["b"]})
+    with pytest.raises(CheckpointError, match="not a PRNG key there"):
+        ckpt.restore(like={"a": state["a"], "b": {"c": jax.random.key(0)}})
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        ckpt.save(-1, state)
+    with pytest.raises(TypeError, match=r"cannot save leaf \['s'\] of type str"):
+        ckpt.save(1, {"s": "text"})
+    with pytest.raises(TypeError, match="JSON-serializable"):
+        ckpt.save(1, state, config={"f": object()})
+    assert ckpt.steps() == [0]
