@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/bf16.h"
+#include "common/cpu_util.h"
 #include "common/cross_entropy.h"
 #include "common/ffi_util.h"
 #include "common/registry.h"
@@ -101,24 +102,6 @@ void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>*
       Store(dlogits, off + c, (p - (c == local ? S(1) : S(0))) * gr);
     }
   }
-}
-
-// Calls fn with the storage type of the logits (uint16_t stands for bfloat16).
-template <typename Fn>
-ffi::Error DispatchFloat(ffi::DataType t, Fn&& fn) {
-  switch (t) {
-    case ffi::DataType::F32: fn(float{}); return ffi::Error::Success();
-    case ffi::DataType::F64: fn(double{}); return ffi::Error::Success();
-    case ffi::DataType::BF16: fn(uint16_t{}); return ffi::Error::Success();
-    default: return InvalidArgument("unsupported dtype ", DtypeName(t));
-  }
-}
-
-template <typename T> const T* In(const ffi::AnyBuffer& b) {
-  return reinterpret_cast<const T*>(b.untyped_data());
-}
-template <typename T> T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return reinterpret_cast<T*>(b->untyped_data());
 }
 
 ffi::Error CrossEntropyFwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/cpu_util.h"
 #include "common/ffi_util.h"
 #include "common/gelu.h"
 #include "common/registry.h"
@@ -62,24 +63,6 @@ void GeluBwdRows(const T* dy, const T* x, const T* bias, T* dx, T* dbias, int64_
   }
   if (bias)
     for (int64_t c = 0; c < cols; ++c) Store(dbias, c, static_cast<S>(db[c]));
-}
-
-// Calls fn with the storage type of x (uint16_t stands for bfloat16).
-template <typename Fn>
-ffi::Error DispatchFloat(ffi::DataType t, Fn&& fn) {
-  switch (t) {
-    case ffi::DataType::F32: fn(float{}); return ffi::Error::Success();
-    case ffi::DataType::F64: fn(double{}); return ffi::Error::Success();
-    case ffi::DataType::BF16: fn(uint16_t{}); return ffi::Error::Success();
-    default: return InvalidArgument("unsupported dtype ", DtypeName(t));
-  }
-}
-
-template <typename T> const T* In(const ffi::AnyBuffer& b) {
-  return reinterpret_cast<const T*>(b.untyped_data());
-}
-template <typename T> T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return reinterpret_cast<T*>(b->untyped_data());
 }
 
 ffi::Error GeluFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer* bias,

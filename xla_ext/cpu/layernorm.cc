@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/bf16.h"
+#include "common/cpu_util.h"
 #include "common/ffi_util.h"
 #include "common/layernorm.h"
 #include "common/registry.h"
@@ -80,24 +81,6 @@ void LayerNormBwdRows(const T* dy, const T* dsum, const T* x, const T* weight,
     Store(dweight, c, dw[c]);
     Store(dbias, c, db[c]);
   }
-}
-
-// Calls fn with the storage type of x (uint16_t stands for bfloat16).
-template <typename Fn>
-ffi::Error DispatchFloat(ffi::DataType t, Fn&& fn) {
-  switch (t) {
-    case ffi::DataType::F32: fn(float{}); return ffi::Error::Success();
-    case ffi::DataType::F64: fn(double{}); return ffi::Error::Success();
-    case ffi::DataType::BF16: fn(uint16_t{}); return ffi::Error::Success();
-    default: return InvalidArgument("unsupported dtype ", DtypeName(t));
-  }
-}
-
-template <typename T> const T* In(const ffi::AnyBuffer& b) {
-  return reinterpret_cast<const T*>(b.untyped_data());
-}
-template <typename T> T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  return reinterpret_cast<T*>(b->untyped_data());
 }
 
 ffi::Error LayerNormFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer* residual,
