@@ -12,6 +12,13 @@
 
 namespace blujax {
 
+// What every CUDA handler binds: the stream to launch on and the device it belongs to. Handlers
+// only launch kernels on that stream (no allocation, no synchronisation), so all are marked safe
+// to capture in CUDA graphs (XLA command buffers).
+using Stream = ffi::PlatformStream<cudaStream_t>;
+using Device = ffi::DeviceOrdinal;
+constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
+
 // After a launch: turn a CUDA error into an ffi::Error naming the op.
 inline ffi::Error LastCudaError(const char* op) {
   cudaError_t err = cudaGetLastError();

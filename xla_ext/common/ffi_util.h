@@ -67,6 +67,31 @@ inline std::string ShapeString(const ffi::AnyBuffer& b) {
   return s + "]";
 }
 
+// The rows x cols view of an input normalised, activated or reduced along its last axis.
+struct RowsCols {
+  int64_t rows = 0;  // product of the leading axes
+  int64_t cols = 0;  // the last axis
+};
+
+// A float input of rank >= 1 in a dtype this backend runs (bf16 and f32; f64 on the CPU).
+inline ffi::Error CheckFloatRows(const char* op, const ffi::AnyBuffer& x, bool allow_f64,
+                                 RowsCols* rc) {
+  auto t = x.element_type();
+  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
+            (allow_f64 && t == ffi::DataType::F64);
+  if (!ok)
+    return InvalidArgument(op, ": unsupported dtype ", DtypeName(t), " (this backend supports ",
+                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
+  auto dims = x.dimensions();
+  if (dims.size() < 1) return InvalidArgument(op, ": x must have rank >= 1");
+  rc->cols = dims.back();
+  if (rc->cols > (int64_t{1} << 30))
+    return InvalidArgument(op, ": last axis too large (shape ", ShapeString(x), ")");
+  rc->rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rc->rows *= dims[i];
+  return ffi::Error::Success();
+}
+
 inline int64_t LastDim(const ffi::AnyBuffer& b) {
   auto dims = b.dimensions();
   return dims.size() == 0 ? 1 : dims.back();

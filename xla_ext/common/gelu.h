@@ -25,27 +25,9 @@ namespace blujax {
 constexpr double kGeluSqrt2OverPi = 0.7978845608028654;
 constexpr double kGeluCubic = 0.044715;
 
-struct GeluShape {
-  int64_t rows = 0;  // product of the leading axes
-  int64_t cols = 0;  // the last axis, the one bias runs along
-};
-
 inline ffi::Error CheckGeluInput(const char* op, const ffi::AnyBuffer& x, bool allow_f64,
-                                 GeluShape* shape) {
-  auto t = x.element_type();
-  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
-            (allow_f64 && t == ffi::DataType::F64);
-  if (!ok)
-    return InvalidArgument(op, ": unsupported dtype ", DtypeName(t), " (this backend supports ",
-                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
-  auto dims = x.dimensions();
-  if (dims.size() < 1) return InvalidArgument(op, ": x must have rank >= 1");
-  shape->cols = dims.back();
-  if (shape->cols > (int64_t{1} << 30))
-    return InvalidArgument(op, ": last axis too large (shape ", ShapeString(x), ")");
-  shape->rows = 1;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) shape->rows *= dims[i];
-  return ffi::Error::Success();
+                                 RowsCols* shape) {
+  return CheckFloatRows(op, x, allow_f64, shape);
 }
 
 inline ffi::Error CheckGeluBias(const char* op, const char* name, const ffi::AnyBuffer& b,

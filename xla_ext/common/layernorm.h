@@ -20,29 +20,15 @@
 
 namespace blujax {
 
-struct RowsCols {
-  int64_t rows = 0;
-  int64_t cols = 0;
-};
-
 inline ffi::DataType LayerNormStatType(ffi::DataType x) {
   return x == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
 }
 
 inline ffi::Error CheckLayerNormInput(const char* op, const ffi::AnyBuffer& x, bool allow_f64,
                                       RowsCols* rc) {
-  auto t = x.element_type();
-  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
-            (allow_f64 && t == ffi::DataType::F64);
-  if (!ok)
-    return InvalidArgument(op, ": unsupported dtype ", DtypeName(t), " (this backend supports ",
-                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
-  if (x.dimensions().size() < 1) return InvalidArgument(op, ": x must have rank >= 1");
-  rc->cols = LastDim(x);
-  if (rc->cols < 1) return InvalidArgument(op, ": the normalised axis is empty (x has shape ",
-                                           ShapeString(x), ")");
-  if (rc->cols > (int64_t{1} << 30)) return InvalidArgument(op, ": last axis too large");
-  rc->rows = static_cast<int64_t>(x.element_count()) / rc->cols;
+  BLUJAX_RETURN_IF_ERROR(CheckFloatRows(op, x, allow_f64, rc));
+  if (rc->cols < 1)
+    return InvalidArgument(op, ": the normalised axis is empty (x has shape ", ShapeString(x), ")");
   return ffi::Error::Success();
 }
 

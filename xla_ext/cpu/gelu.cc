@@ -67,7 +67,7 @@ void GeluBwdRows(const T* dy, const T* x, const T* bias, T* dx, T* dbias, int64_
 
 ffi::Error GeluFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer* bias,
                        ffi::Result<ffi::AnyBuffer> y) {
-  GeluShape s;
+  RowsCols s;
   BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/true, &s));
   if (bias) BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
@@ -81,7 +81,7 @@ ffi::Error GeluBwdImpl(const char* op, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                        const ffi::AnyBuffer* bias, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer>* dbias,
                        ffi::Result<ffi::AnyBuffer>* workspace) {
-  GeluShape s;
+  RowsCols s;
   BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/true, &s));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));

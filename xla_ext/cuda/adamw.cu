@@ -255,13 +255,8 @@ ffi::Error AdamW(cudaStream_t stream, int32_t device, ffi::AnyBuffer hparams,
              : LaunchAdamW<__nv_bfloat16>(stream, device, tensors, hp, c);
 }
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-using Device = ffi::DeviceOrdinal;
 
 }  // namespace
-
-// Launch-only handler (no allocation, no synchronisation): safe to capture in CUDA graphs.
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 XLA_FFI_DEFINE_HANDLER(kAdamW, AdamW,
                        ffi::Ffi::Bind()

@@ -27,7 +27,9 @@ constexpr int kBlock = 256;       // threads per block when warps take rows
 constexpr int kUnroll = 4;        // 16-byte packs each thread has in flight per step
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <int kGroup> constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
+template <int kGroup> __host__ __device__ constexpr int BlockFor() {
+  return kGroup > kBlock ? kGroup : kBlock;
+}
 
 // Where a row's 16-byte packs start and end: head scalars, then packs, then tail scalars.
 struct RowSplit {
@@ -405,13 +407,8 @@ ffi::Error CrossEntropyBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   return LastCudaError(op);
 }
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-using Device = ffi::DeviceOrdinal;
 
 }  // namespace
-
-// Launch-only handlers (no allocation, no synchronisation): safe to capture in CUDA graphs.
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
                        ffi::Ffi::Bind()

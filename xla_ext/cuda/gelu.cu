@@ -310,7 +310,7 @@ void WithVec(bool packed, F&& f) {
 }
 
 template <typename T>
-void LaunchFwd(cudaStream_t stream, int device, const T* x, const T* bias, T* y, GeluShape s) {
+void LaunchFwd(cudaStream_t stream, int device, const T* x, const T* bias, T* y, RowsCols s) {
   constexpr int kPack = 16 / sizeof(T);
   const int64_t n = s.rows * s.cols;
   if (!bias) {
@@ -334,7 +334,7 @@ void LaunchFwd(cudaStream_t stream, int device, const T* x, const T* bias, T* y,
 template <typename T>
 ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const T* dy, const T* x,
                      const T* bias, T* dx, T* dbias, float* ws, int64_t max_groups,
-                     GeluShape s) {
+                     RowsCols s) {
   constexpr int kPack = 16 / sizeof(T);
   const int64_t n = s.rows * s.cols;
   if (!bias) {
@@ -368,7 +368,7 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const T* d
 
 ffi::Error GeluFwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer x,
                        const ffi::AnyBuffer* bias, ffi::Result<ffi::AnyBuffer> y) {
-  GeluShape s;
+  RowsCols s;
   BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/false, &s));
   if (bias) BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
@@ -389,7 +389,7 @@ ffi::Error GeluBwdImpl(const char* op, cudaStream_t stream, int device, ffi::Any
                        ffi::AnyBuffer x, const ffi::AnyBuffer* bias,
                        ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer>* dbias,
                        ffi::Result<ffi::AnyBuffer>* workspace) {
-  GeluShape s;
+  RowsCols s;
   int64_t partials = 0;
   BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/false, &s));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
@@ -420,8 +420,6 @@ ffi::Error GeluBwdImpl(const char* op, cudaStream_t stream, int device, ffi::Any
   return LastCudaError(op);
 }
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-using Device = ffi::DeviceOrdinal;
 
 ffi::Error GeluFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> y) {
@@ -446,9 +444,6 @@ ffi::Error BiasGeluBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, f
 }
 
 }  // namespace
-
-// Launch-only handlers (no allocation, no synchronisation): safe to capture in CUDA graphs.
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 XLA_FFI_DEFINE_HANDLER(kGeluFwd, GeluFwd,
                        ffi::Ffi::Bind()

@@ -484,8 +484,6 @@ ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi
   return LastCudaError(op);
 }
 
-using Stream = ffi::PlatformStream<cudaStream_t>;
-using Device = ffi::DeviceOrdinal;
 
 ffi::Error LayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
@@ -523,9 +521,6 @@ ffi::Error AddLayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer d
 }
 
 }  // namespace
-
-// Launch-only handlers (no allocation, no synchronisation): safe to capture in CUDA graphs.
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
 
 XLA_FFI_DEFINE_HANDLER(kLayerNormFwd, LayerNormFwd,
                        ffi::Ffi::Bind()
