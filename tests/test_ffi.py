@@ -16,12 +16,16 @@ def test_kernel_backends_lists_what_loaded():
         assert "cuda" in backends
 
 
+# Targets whose CUDA kernel is not written yet; their ops raise on a GPU (_ffi.require_target).
+CPU_ONLY = {"blujax_attention_fwd", "blujax_attention_bwd"}
+
+
 def test_every_cpu_target_has_a_cuda_twin():
     loaded, _ = _ffi._load()
     cpu = set(loaded["cpu"].registrations())
     assert {"blujax_layer_norm_fwd", "blujax_layer_norm_bwd"} <= cpu
     if "cuda" in loaded:
-        assert set(loaded["cuda"].registrations()) == cpu
+        assert set(loaded["cuda"].registrations()) == cpu - CPU_ONLY
 
 
 def test_lowers_to_our_custom_call_for_cuda_without_a_gpu():

@@ -7,8 +7,11 @@ inputs) and results are cast back to the input dtype, as the kernels do.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _compute_dtype(dtype):
@@ -77,3 +80,28 @@ def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1):
     # A factor rather than a select, so that unknown targets poison the gradient as well.
     poison = jnp.where(known | ignored, 1.0, jnp.nan).astype(x.dtype)
     return jnp.where(ignored, 0.0, (lse - picked) * poison)
+
+
+def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """(softmax(scale * q k^T [+ causal mask]) v, lse) over q [B, Tq, H, D], k, v [B, Tk, H, D].
+
+    lse [B, H, Tq] is the log-sum-exp of each query's scaled scores, float32 (float64 for
+    float64). causal masks keys after the query (Tq == Tk). scale defaults to 1/sqrt(D) and is
+    rounded to float32, as the kernels receive it.
+    """
+    ct = _compute_dtype(q.dtype)
+    scale = float(np.float32(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale))
+    hi = jax.lax.Precision.HIGHEST  # an oracle: no TF32 on a GPU
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k.astype(ct), precision=hi) * scale
+    if causal:
+        keep = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        s = jnp.where(keep, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(ct), precision=hi)
+    return out.astype(q.dtype), lse
+
+
+def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """softmax(scale * q k^T [+ causal mask]) v, in q's dtype; see attention_with_lse."""
+    return attention_with_lse(q, k, v, causal=causal, scale=scale)[0]

@@ -1,0 +1,126 @@
+"""Scaled dot-product attention (flash style) on our FFI kernels, with its log-sum-exp.
+
+Kernels: xla_ext/cpu/attention.cc (float32, float64, bfloat16 with float32 arithmetic); the
+CUDA kernel is not written yet, so on a GPU these ops raise at trace time. The forward saves
+the per-row log-sum-exp; the backward recomputes the probabilities from q, k and it, and takes
+a cotangent for lse too (ring attention merges partial results through lse). The jnp
+specification is `blujax.kernels.xla.attention` / `attention_with_lse`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from blujax._ffi import current_platform, require_target
+from blujax.kernels._util import check_dtype, match_vma, result_type
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
+
+
+def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """softmax(scale * q k^T [+ causal mask]) v per batch and head.
+
+    q: [B, Tq, H, D]; k, v: [B, Tk, H, D], one dtype (float32, bfloat16, or float64 on the CPU).
+    causal=True masks keys after the query and needs Tq == Tk. scale defaults to 1/sqrt(D) and
+    reaches the kernels as a float32. Returns [B, Tq, H, D] in q's dtype.
+    """
+    return _attention_op("attention", q, k, v, causal, scale)[0]
+
+
+def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = None):
+    """(attention(q, k, v), lse): lse is [B, H, Tq], the natural-log log-sum-exp of each
+    query's scaled (and masked) scores, float32 (float64 for float64). Both are differentiable.
+    """
+    return _attention_op("attention_with_lse", q, k, v, causal, scale)
+
+
+def _attention_op(op, q, k, v, causal, scale):
+    scale = _check(op, q, k, v, causal, scale)
+    require_target(op, "blujax_attention_fwd")
+    q, k, v = match_vma(q, k, v)
+    return _attention(q, k, v, bool(causal), scale)
+
+
+def _check(op, q, k, v, causal, scale) -> float:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise TypeError(f"{op}: {name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{op}: {name} must have shape [B, T, H, D], got {x.shape}")
+        check_dtype(op, name, x, _DTYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have the same shape, got {k.shape} and {v.shape}")
+    (b, tq, h, d), (bk, tk, hk, dk) = q.shape, k.shape
+    if bk != b:
+        raise ValueError(f"{op}: q has batch {b} but k, v have batch {bk} (shapes {q.shape}, "
+                         f"{k.shape})")
+    if hk != h:
+        raise ValueError(f"{op}: q has {h} heads but k, v have {hk} (shapes {q.shape}, "
+                         f"{k.shape}); repeat k, v for grouped-query attention")
+    if dk != d:
+        raise ValueError(f"{op}: q has head size {d} but k, v have {dk} (shapes {q.shape}, "
+                         f"{k.shape})")
+    if tq < 1 or tk < 1 or d < 1:
+        raise ValueError(f"{op}: sequence lengths and head size must be >= 1, got q {q.shape}, "
+                         f"k {k.shape}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{op}: causal must be True or False, got {causal!r}")
+    if causal and tq != tk:
+        raise ValueError(
+            f"{op}: causal=True needs as many queries as keys, got Tq={tq} and Tk={tk}; "
+            f"use causal=False for attention of a query block to another key block"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
+    if q.dtype == jnp.float64 and current_platform() != "cpu":
+        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+    return float(scale)
+
+
+def _lse_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _fwd_call(q, k, v, causal, scale):
+    b, tq, h, _ = q.shape
+    return jax.ffi.ffi_call(
+        "blujax_attention_fwd",
+        (result_type(q), result_type(q, (b, h, tq), _lse_dtype(q.dtype))),
+        vmap_method="sequential",
+    )(q, k, v, causal=causal, scale=np.float32(scale))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, causal, scale):
+    return _fwd_call(q, k, v, causal, scale)
+
+
+def _attention_fwd(q, k, v, causal, scale):
+    out, lse = _fwd_call(q, k, v, causal, scale)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, scale, res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    # Cotangents arrive as zeros when an output is unused (attention() drops lse); their dtype
+    # must be what the handler checks.
+    dout, dlse = dout.astype(q.dtype), dlse.astype(lse.dtype)
+    dout, dlse = match_vma(dout, dlse, q)[:2]
+    return jax.ffi.ffi_call(
+        "blujax_attention_bwd",
+        (result_type(q), result_type(k), result_type(v)),
+        vmap_method="sequential",
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

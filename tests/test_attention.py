@@ -1,0 +1,267 @@
+"""blujax.kernels.attention / attention_with_lse against the jnp spec (blujax.kernels.xla).
+
+There is no CUDA kernel yet: on a GPU machine the op must refuse to run on the GPU
+(test_gpu_has_no_kernel_yet), and the other tests run the CPU kernels on the CPU device. When
+xla_ext/cuda/attention.cu lands, drop `_cpu_until_cuda_kernel` and they test it instead.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+from blujax import kernels as ops
+from blujax.kernels import xla as spec
+from tests.conftest import ON_GPU
+from tests.util import assert_close, cpu_float64, randn
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+# (Tq, Tk, causal, D): lengths that are not multiples of the kernel's blocks (32 queries,
+# 64 keys), one-token sequences, and Tq != Tk in both directions for the non-causal form.
+CASES = [
+    (1, 1, True, 16), (17, 17, True, 16), (17, 17, False, 64), (128, 128, True, 64),
+    (128, 128, False, 16), (5, 70, False, 16), (70, 5, False, 64), (1, 33, False, 64),
+    (67, 67, True, 5),
+]
+B, H = 2, 3
+
+
+@pytest.fixture(autouse=True)
+def _cpu_until_cuda_kernel(request):
+    if ON_GPU and "gpu" not in request.keywords:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+    else:
+        yield
+
+
+def _qkv(rng, tq, tk, d, dtype, b=B, h=H):
+    return (randn(rng, (b, tq, h, d), dtype), randn(rng, (b, tk, h, d), dtype),
+            randn(rng, (b, tk, h, d), dtype))
+
+
+def _loss(fn, **kw):
+    """A scalar whose gradient sends random cotangents into out and lse."""
+    def loss(q, k, v, ct_out, ct_lse):
+        out, lse = fn(q, k, v, **kw)
+        return jnp.sum(out.astype(jnp.float32) * ct_out) + jnp.sum(lse * ct_lse)
+    return loss
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _values_and_grads(fn, causal, q, k, v, ct_out, ct_lse):
+    # One compiled program per side: op-by-op dispatch would compile every primitive.
+    out, lse = fn(q, k, v, causal=causal)
+    grads = jax.grad(_loss(fn, causal=causal), argnums=(0, 1, 2))(q, k, v, ct_out, ct_lse)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tq,tk,causal,d", CASES, ids=str)
+def test_values_and_grads(rng, tq, tk, causal, d, dtype):
+    q, k, v = _qkv(rng, tq, tk, d, dtype)
+    ct_out = randn(rng, q.shape, jnp.float32)
+    ct_lse = randn(rng, (B, H, tq), jnp.float32)
+    out, lse, got = _values_and_grads(ops.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
+    out_ref, lse_ref, want = _values_and_grads(spec.attention_with_lse, causal, q, k, v, ct_out,
+                                               ct_lse)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (B, H, tq)
+    assert_close(out, out_ref, dtype)
+    assert_close(lse, lse_ref, jnp.float32, factor=5)
+    np.testing.assert_array_equal(ops.attention(q, k, v, causal=causal), out)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert_close(g, r, dtype, factor=2 if dtype == jnp.bfloat16 else 5)
+
+
+def test_scale_is_used(rng):
+    # 150 keys span three key blocks; with scale 3 the scores reach about +-30, so the running
+    # max grows from block to block and the online softmax has to rescale what it summed.
+    q, k, v = _qkv(rng, 150, 150, 8, jnp.float32)
+    for scale in (0.05, 1.0, 3.0):
+        for causal in (True, False):
+            got = ops.attention_with_lse(q, k, v, causal=causal, scale=scale)
+            want = spec.attention_with_lse(q, k, v, causal=causal, scale=scale)
+            assert_close(got[0], want[0], jnp.float32, factor=5)
+            assert_close(got[1], want[1], jnp.float32, factor=5)
+
+
+@pytest.mark.parametrize("tq,tk,causal", [(5, 5, True), (3, 7, False), (6, 2, False)], ids=str)
+def test_check_grads_float64(rng, tq, tk, causal):
+    with cpu_float64():
+        q, k, v = _qkv(rng, tq, tk, 3, jnp.float64, b=2, h=2)
+        out, lse = ops.attention_with_lse(q, k, v, causal=causal)
+        assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+        out_ref, lse_ref = spec.attention_with_lse(q, k, v, causal=causal)
+        assert_close(out, out_ref, jnp.float64)
+        assert_close(lse, lse_ref, jnp.float64)
+        f = functools.partial(ops.attention_with_lse, causal=causal)
+        check_grads(f, (q, k, v), order=1, modes=("rev",))
+
+
+def test_jit_and_remat(rng):
+    q, k, v = _qkv(rng, 40, 40, 16, jnp.float32)
+
+    def model(attn, q, k, v):
+        # Two layers deep, as in a transformer: the second attends with the first's output.
+        o = attn(q, k, v)
+        return attn(o, k, v + o, causal=True)
+
+    f = jax.jit(functools.partial(model, ops.attention))
+    assert_close(f(q, k, v), jax.jit(functools.partial(model, spec.attention))(q, k, v),
+                 jnp.float32)
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(jax.checkpoint(f)(*a) ** 2), argnums=(0, 1, 2)))
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(model(spec.attention, *a) ** 2),
+                             argnums=(0, 1, 2)))
+    for a, b in zip(g(q, k, v), g_ref(q, k, v)):
+        assert_close(a, b, jnp.float32, factor=10)
+    assert "blujax_attention_bwd" in g.lower(q, k, v).as_text()
+
+
+def test_vmap(rng):
+    # An extra leading axis (say microbatches): one kernel call per member.
+    q = randn(rng, (3, 2, 9, 2, 8), jnp.float32)
+    k = randn(rng, (3, 2, 12, 2, 8), jnp.float32)
+    v = randn(rng, (3, 2, 12, 2, 8), jnp.float32)
+    f = functools.partial(ops.attention_with_lse, causal=False)
+    f_ref = functools.partial(spec.attention_with_lse, causal=False)
+    for a, b in zip(jax.jit(jax.vmap(f))(q, k, v), jax.jit(jax.vmap(f_ref))(q, k, v)):
+        assert_close(a, b, jnp.float32)
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)[0])) + jnp.sum(fn(q, k, v)[1])
+    per_ex = jax.jit(jax.vmap(jax.grad(loss(f), argnums=(0, 1, 2))))(q, k, v)
+    per_ex_ref = jax.jit(jax.vmap(jax.grad(loss(f_ref), argnums=(0, 1, 2))))(q, k, v)
+    for a, b in zip(per_ex, per_ex_ref):
+        assert_close(a, b, jnp.float32, factor=5)
+
+
+def test_shard_map_over_heads(rng):
+    devices = jax.devices("cpu") if ON_GPU else jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
+    q, k, v = _qkv(rng, 19, 19, 16, jnp.float32, b=2, h=n)
+    ct_lse = randn(rng, (2, n, 19), jnp.float32)
+
+    def loss(op, q, k, v, ct_lse):
+        out, lse = op(q, k, v)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(lse * ct_lse)
+
+    @jax.jit
+    def sharded(q, k, v, ct_lse):
+        def body(q, k, v, ct_lse):
+            # Megatron layout: each device holds whole heads, so attention needs no collective.
+            return jax.lax.psum(loss(ops.attention_with_lse, q, k, v, ct_lse), "tensor")
+        heads = P(None, None, "tensor")
+        return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, P(None, "tensor")),
+                             out_specs=P())(q, k, v, ct_lse)
+
+    got = jax.value_and_grad(sharded, argnums=(0, 1, 2))(q, k, v, ct_lse)
+    want = jax.value_and_grad(functools.partial(loss, spec.attention_with_lse),
+                              argnums=(0, 1, 2))(q, k, v, ct_lse)
+    assert_close(got[0], want[0], jnp.float32)
+    for g, r in zip(got[1], want[1]):
+        assert_close(g, r, jnp.float32, factor=5)
+    hlo = sharded.lower(q, k, v, ct_lse).as_text()
+    assert "blujax_attention_fwd" in hlo and "all-gather" not in hlo
+
+
+# --- errors a user can act on, at trace time ----------------------------------------------------
+
+def test_bad_arguments_raise_clear_errors(rng):
+    q, k, v = _qkv(rng, 6, 6, 8, jnp.float32)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, T, H, D\]"):
+        ops.attention(q[0], k, v)
+    with pytest.raises(ValueError, match=r"k must have shape \[B, T, H, D\]"):
+        ops.attention(q, k[..., None], v)
+    with pytest.raises(ValueError, match="q has 3 heads but k, v have 2"):
+        ops.attention(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match="q has head size 8 but k, v have 4"):
+        ops.attention(q, k[..., :4], v[..., :4])
+    with pytest.raises(ValueError, match="q has batch 2 but k, v have batch 1"):
+        ops.attention(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        ops.attention(q, k, v[:, :5], causal=False)
+    with pytest.raises(ValueError, match="causal=True needs as many queries as keys"):
+        ops.attention(q, k[:, :5], v[:, :5], causal=True)
+    with pytest.raises(ValueError, match="sequence lengths and head size must be >= 1"):
+        ops.attention(q[:, :0], k, v, causal=False)
+    with pytest.raises(TypeError, match="dtype int32"):
+        ops.attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32))
+    with pytest.raises(TypeError, match="dtype float16"):
+        ops.attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
+    with pytest.raises(TypeError, match="share one dtype"):
+        ops.attention(q, k.astype(jnp.bfloat16), v)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        ops.attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        ops.attention(q, k, v, scale=0.0)
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        ops.attention(q, k, v, causal="yes")
+
+
+# --- handlers fed inconsistent buffers directly -------------------------------------------------
+
+def _raw(target, outs, *args, **attrs):
+    return jax.jit(lambda *a: jax.ffi.ffi_call(target, outs)(*a, **attrs))(*args)
+
+
+@pytest.mark.parametrize("case", ["out_shape", "lse_shape", "lse_dtype", "qk_dtype", "heads",
+                                  "rank", "causal_lengths", "scale_nan", "dk_shape",
+                                  "dlse_shape", "int_inputs"])
+def test_handler_rejects_inconsistent_buffers(rng, case):
+    q, k, v = _qkv(rng, 6, 6, 8, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    o, l = sds(q.shape, jnp.float32), sds((B, H, 6), jnp.float32)
+    fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
+    attrs = dict(causal=True, scale=np.float32(0.3))
+    lse = jnp.zeros((B, H, 6), jnp.float32)
+    calls = {
+        "out_shape": lambda: _raw(fwd, (sds((B, 6, H, 7), jnp.float32), l), q, k, v, **attrs),
+        "lse_shape": lambda: _raw(fwd, (o, sds((B, 6, H), jnp.float32)), q, k, v, **attrs),
+        "lse_dtype": lambda: _raw(fwd, (o, sds((B, H, 6), jnp.bfloat16)), q, k, v, **attrs),
+        "qk_dtype": lambda: _raw(fwd, (o, l), q, k.astype(jnp.bfloat16), v, **attrs),
+        "heads": lambda: _raw(fwd, (o, l), q, k[:, :, :2], v[:, :, :2], **attrs),
+        "rank": lambda: _raw(fwd, (sds((B, 6, H * 8), jnp.float32), l),
+                             q.reshape(B, 6, H * 8), k, v, **attrs),
+        "causal_lengths": lambda: _raw(fwd, (o, l), q, k[:, :5], v[:, :5], **attrs),
+        "scale_nan": lambda: _raw(fwd, (o, l), q, k, v, causal=False, scale=np.float32("nan")),
+        "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, 8), jnp.float32), o),
+                                 q, k, v, q, lse, q, lse, **attrs),
+        "dlse_shape": lambda: _raw(bwd, (o, o, o), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
+        "int_inputs": lambda: _raw(fwd, (sds(q.shape, jnp.int32), l), q.astype(jnp.int32),
+                                   k.astype(jnp.int32), v.astype(jnp.int32), **attrs),
+    }
+    with pytest.raises(Exception, match="blujax_attention_(fwd|bwd)"):
+        jax.block_until_ready(calls[case]())
+
+
+@pytest.mark.gpu
+def test_gpu_has_no_kernel_yet(rng):
+    q, k, v = _qkv(rng, 8, 8, 64, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="blujax.attention has no CUDA kernel yet"):
+        ops.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="no CUDA kernel yet"):
+        jax.jit(ops.attention_with_lse)(q, k, v)
+
+
+def test_require_target_refuses_a_gpu_without_the_kernel(monkeypatch):
+    # What a GPU run sees, checked everywhere: a CUDA library that lacks the target.
+    import blujax._ffi as ffi
+
+    class CudaWithoutAttention:
+        @staticmethod
+        def registrations():
+            return {"blujax_layer_norm_fwd": None}
+
+    monkeypatch.setattr(ffi, "_load", lambda: ({"cpu": ffi, "cuda": CudaWithoutAttention}, {}))
+    monkeypatch.setattr(ffi, "current_platform", lambda: "gpu")
+    with pytest.raises(NotImplementedError, match=r"blujax.attention has no CUDA kernel yet; "
+                       r"run it on the CPU \(JAX_PLATFORMS=cpu\) or use "
+                       r"blujax.kernels.xla.attention"):
+        ffi.require_target("attention", "blujax_attention_fwd")
+    ffi.require_target("layer_norm", "blujax_layer_norm_fwd")  # registered there: no error

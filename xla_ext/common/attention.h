@@ -1,0 +1,112 @@
+// The attention handler contract, shared by xla_ext/cpu/attention.cc and a future
+// xla_ext/cuda/attention.cu.
+//
+// blujax_attention_fwd  (q, k, v)                         -> (out, lse)
+// blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv)
+// attributes: causal (bool), scale (float32, finite and > 0)
+//
+// q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
+// projection gives without a transpose), all of one float dtype. lse and dlse are [B, H, Tq],
+// float32 (float64 for float64 inputs). With s = scale * q k^T per (b, h):
+//   lse_i = log(sum_j exp(s_ij))    out_i = sum_j exp(s_ij - lse_i) v_j
+// causal masks keys j > i and needs Tq == Tk (every row then keeps at least key 0); the
+// non-causal form allows Tq != Tk (ring attention's off-diagonal blocks).
+// Backward, with P = exp(s - lse), dP = dout v^T and D_i = sum_d dout_id out_id:
+//   dS = P * (dP - D_i + dlse_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
+// (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
+// lse, so its gradient flows back through it.)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/ffi_util.h"
+
+namespace blujax {
+
+struct AttentionDims {
+  int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, head_dim = 0;
+};
+
+inline ffi::DataType AttentionStatType(ffi::DataType x) {
+  return x == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+// Rank 4, a float dtype this backend runs.
+inline ffi::Error CheckAttentionTensor(const char* op, const char* name, const ffi::AnyBuffer& x,
+                                       bool allow_f64) {
+  auto t = x.element_type();
+  bool ok = t == ffi::DataType::F32 || t == ffi::DataType::BF16 ||
+            (allow_f64 && t == ffi::DataType::F64);
+  if (!ok)
+    return InvalidArgument(op, ": ", name, " has unsupported dtype ", DtypeName(t),
+                           " (this backend supports ",
+                           allow_f64 ? "float32, float64 and bfloat16)" : "float32 and bfloat16)");
+  if (x.dimensions().size() != 4)
+    return InvalidArgument(op, ": ", name, " must be [B, T, H, D], got shape ", ShapeString(x));
+  return ffi::Error::Success();
+}
+
+inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != db.size()) return false;
+  for (size_t i = 0; i < da.size(); ++i)
+    if (da[i] != db[i]) return false;
+  return true;
+}
+
+// Same dtype and shape as `like`.
+inline ffi::Error CheckSame(const char* op, const char* name, const ffi::AnyBuffer& b,
+                            const char* like_name, const ffi::AnyBuffer& like) {
+  if (b.element_type() != like.element_type())
+    return InvalidArgument(op, ": ", name, " is ", DtypeName(b.element_type()), " but ",
+                           like_name, " is ", DtypeName(like.element_type()));
+  if (!SameDims(b, like))
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b), " but ", like_name,
+                           " has shape ", ShapeString(like));
+  return ffi::Error::Success();
+}
+
+// q, k, v and the attributes; fills dims.
+inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
+                                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                       bool causal, float scale, bool allow_f64,
+                                       AttentionDims* dims) {
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionTensor(op, "q", q, allow_f64));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionTensor(op, "k", k, allow_f64));
+  if (k.element_type() != q.element_type())
+    return InvalidArgument(op, ": k is ", DtypeName(k.element_type()), " but q is ",
+                           DtypeName(q.element_type()));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "v", v, "k", k));
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
+    return InvalidArgument(op, ": q ", ShapeString(q), " and k ", ShapeString(k),
+                           " must agree in batch, heads and head size ([B, T, H, D])");
+  dims->batch = qd[0];
+  dims->q_len = qd[1];
+  dims->kv_len = kd[1];
+  dims->heads = qd[2];
+  dims->head_dim = qd[3];
+  if (dims->q_len < 1 || dims->kv_len < 1 || dims->head_dim < 1)
+    return InvalidArgument(op, ": sequence lengths and head size must be >= 1 (q ",
+                           ShapeString(q), ", k ", ShapeString(k), ")");
+  if (causal && dims->q_len != dims->kv_len)
+    return InvalidArgument(op, ": causal attention needs as many queries as keys, got Tq = ",
+                           dims->q_len, " and Tk = ", dims->kv_len);
+  if (!(scale > 0.0f) || !std::isfinite(scale))
+    return InvalidArgument(op, ": scale must be finite and > 0, got ", scale);
+  return ffi::Error::Success();
+}
+
+// A per-row statistic: [B, H, Tq] of the stat dtype.
+inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi::AnyBuffer& lse,
+                                    ffi::DataType x_type, const AttentionDims& d) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, lse, AttentionStatType(x_type)));
+  auto ld = lse.dimensions();
+  if (ld.size() != 3 || ld[0] != d.batch || ld[1] != d.heads || ld[2] != d.q_len)
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(lse), ", expected [",
+                           d.batch, ", ", d.heads, ", ", d.q_len, "] ([B, H, Tq])");
+  return ffi::Error::Success();
+}
+
+}  // namespace blujax

@@ -1,0 +1,247 @@
+// Scaled dot-product attention on the CPU, flash style: the reference for a future
+// xla_ext/cuda/attention.cu (float32, float64, and bfloat16 with float32 arithmetic).
+// Handler contract and the formulas: common/attention.h.
+//
+// Forward, per (batch, head) and block of query rows: an online softmax over blocks of keys
+// (running max m, running sum l, unnormalised output acc rescaled by exp(m_old - m_new) when
+// the max grows), so no [Tq, Tk] score matrix is ever formed; it saves lse = m + log(l).
+// Backward recomputes the probabilities from q, k and lse block by block, as the GPU will.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/attention.h"
+#include "common/bf16.h"
+#include "common/cpu_util.h"
+#include "common/ffi_util.h"
+#include "common/registry.h"
+
+namespace blujax {
+namespace {
+
+// Block sizes of the tiling; any T works (the last block of each axis is partial).
+constexpr int64_t kBlockQ = 32;
+constexpr int64_t kBlockK = 64;
+
+// One (batch, head) slice of a [B, T, H, D] tensor, copied to a contiguous [T, D] array in
+// compute precision (the head axis is strided in memory).
+template <typename T, typename S>
+void Gather(const T* x, int64_t b, int64_t h, int64_t len, const AttentionDims& d, S* dst) {
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t off = ((b * len + t) * d.heads + h) * d.head_dim;
+    for (int64_t c = 0; c < d.head_dim; ++c) dst[t * d.head_dim + c] = Load(x, off + c);
+  }
+}
+
+template <typename T, typename S>
+void Scatter(const S* src, int64_t b, int64_t h, int64_t len, const AttentionDims& d, T* x) {
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t off = ((b * len + t) * d.heads + h) * d.head_dim;
+    for (int64_t c = 0; c < d.head_dim; ++c) Store(x, off + c, src[t * d.head_dim + c]);
+  }
+}
+
+template <typename S>
+S Dot(const S* a, const S* b, int64_t n) {
+  S s = 0;
+  for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// How many keys of the block starting at k0 (of nk keys) query row qi attends to.
+inline int64_t KeysInBlock(bool causal, int64_t qi, int64_t k0, int64_t nk) {
+  return causal ? std::min(nk, qi - k0 + 1) : nk;
+}
+
+template <typename T>
+void AttentionFwdImpl(const T* q, const T* k, const T* v, T* out,
+                      typename Compute<T>::type* lse, const AttentionDims& d, bool causal,
+                      float scale_f) {
+  using S = typename Compute<T>::type;
+  const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
+  const S scale = static_cast<S>(scale_f);
+  const S neg_inf = -std::numeric_limits<S>::infinity();
+  // Per call, so XLA may run several calls at once.
+  std::vector<S> qh(tq * dh), kh(tk * dh), vh(tk * dh), oh(tq * dh);
+  std::vector<S> acc(kBlockQ * dh), m(kBlockQ), l(kBlockQ), s(kBlockK);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      Gather(q, b, h, tq, d, qh.data());
+      Gather(k, b, h, tk, d, kh.data());
+      Gather(v, b, h, tk, d, vh.data());
+      for (int64_t q0 = 0; q0 < tq; q0 += kBlockQ) {
+        const int64_t nq = std::min(kBlockQ, tq - q0);
+        std::fill(m.begin(), m.end(), neg_inf);
+        std::fill(l.begin(), l.end(), S(0));
+        std::fill(acc.begin(), acc.end(), S(0));
+        // Causal: keys past this block's last query are masked for every row of it.
+        const int64_t k_end = causal ? q0 + nq : tk;
+        for (int64_t k0 = 0; k0 < k_end; k0 += kBlockK) {
+          const int64_t nk = std::min(kBlockK, k_end - k0);
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t qi = q0 + i, nj = KeysInBlock(causal, qi, k0, nk);
+            if (nj <= 0) continue;
+            S block_max = neg_inf;
+            for (int64_t j = 0; j < nj; ++j) {
+              s[j] = scale * Dot(&qh[qi * dh], &kh[(k0 + j) * dh], dh);
+              block_max = std::max(block_max, s[j]);
+            }
+            const S m_new = std::max(m[i], block_max);
+            const S correction = std::exp(m[i] - m_new);  // 0 on the row's first block
+            S* a = &acc[i * dh];
+            S sum = l[i] * correction;
+            for (int64_t c = 0; c < dh; ++c) a[c] *= correction;
+            for (int64_t j = 0; j < nj; ++j) {
+              const S p = std::exp(s[j] - m_new);
+              sum += p;
+              const S* vj = &vh[(k0 + j) * dh];
+              for (int64_t c = 0; c < dh; ++c) a[c] += p * vj[c];
+            }
+            m[i] = m_new;
+            l[i] = sum;
+          }
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+          const S inv = S(1) / l[i];
+          for (int64_t c = 0; c < dh; ++c) oh[(q0 + i) * dh + c] = acc[i * dh + c] * inv;
+          lse[(b * d.heads + h) * tq + q0 + i] = m[i] + std::log(l[i]);
+        }
+      }
+      Scatter(oh.data(), b, h, tq, d, out);
+    }
+  }
+}
+
+template <typename T>
+void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
+                      const typename Compute<T>::type* lse, const T* dout,
+                      const typename Compute<T>::type* dlse, T* dq, T* dk, T* dv,
+                      const AttentionDims& d, bool causal, float scale_f) {
+  using S = typename Compute<T>::type;
+  const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
+  const S scale = static_cast<S>(scale_f);
+  std::vector<S> qh(tq * dh), kh(tk * dh), vh(tk * dh), oh(tq * dh), doh(tq * dh);
+  std::vector<S> dqh(tq * dh), dkh(tk * dh), dvh(tk * dh), delta(tq);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      Gather(q, b, h, tq, d, qh.data());
+      Gather(k, b, h, tk, d, kh.data());
+      Gather(v, b, h, tk, d, vh.data());
+      Gather(out, b, h, tq, d, oh.data());
+      Gather(dout, b, h, tq, d, doh.data());
+      std::fill(dqh.begin(), dqh.end(), S(0));
+      std::fill(dkh.begin(), dkh.end(), S(0));
+      std::fill(dvh.begin(), dvh.end(), S(0));
+      const S* row_lse = &lse[(b * d.heads + h) * tq];
+      const S* row_dlse = &dlse[(b * d.heads + h) * tq];
+      // D_i - dlse_i: the part of dS_ij = P_ij (dP_ij - D_i + dlse_i) that is the same for
+      // every key of row i.
+      for (int64_t i = 0; i < tq; ++i)
+        delta[i] = Dot(&doh[i * dh], &oh[i * dh], dh) - row_dlse[i];
+      // Key blocks outside, as the GPU kernel will do it: dk, dv of a block stay in one place
+      // while the query blocks stream past.
+      for (int64_t k0 = 0; k0 < tk; k0 += kBlockK) {
+        const int64_t nk = std::min(kBlockK, tk - k0);
+        const int64_t q_begin = causal ? k0 / kBlockQ * kBlockQ : 0;  // earlier rows see none
+        for (int64_t q0 = q_begin; q0 < tq; q0 += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, tq - q0);
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t qi = q0 + i, nj = KeysInBlock(causal, qi, k0, nk);
+            const S* qrow = &qh[qi * dh];
+            const S* dorow = &doh[qi * dh];
+            S* dqrow = &dqh[qi * dh];
+            for (int64_t j = 0; j < nj; ++j) {
+              const int64_t kj = k0 + j;
+              const S p = std::exp(scale * Dot(qrow, &kh[kj * dh], dh) - row_lse[qi]);
+              const S dp = Dot(dorow, &vh[kj * dh], dh);
+              const S ds = scale * p * (dp - delta[qi]);
+              S* dkrow = &dkh[kj * dh];
+              S* dvrow = &dvh[kj * dh];
+              const S* krow = &kh[kj * dh];
+              for (int64_t c = 0; c < dh; ++c) {
+                dqrow[c] += ds * krow[c];
+                dkrow[c] += ds * qrow[c];
+                dvrow[c] += p * dorow[c];
+              }
+            }
+          }
+        }
+      }
+      Scatter(dqh.data(), b, h, tq, d, dq);
+      Scatter(dkh.data(), b, h, tk, d, dk);
+      Scatter(dvh.data(), b, h, tk, d, dv);
+    }
+  }
+}
+
+ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                        bool causal, float scale) {
+  const char* op = "blujax_attention_fwd";
+  AttentionDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", *out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
+  return DispatchFloat(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using S = typename Compute<T>::type;
+    AttentionFwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), Out<T>(out), Out<S>(lse), d, causal,
+                        scale);
+  });
+}
+
+ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, bool causal, float scale) {
+  const char* op = "blujax_attention_bwd";
+  AttentionDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", *dq, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", *dk, "k", k));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", *dv, "v", v));
+  return DispatchFloat(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using S = typename Compute<T>::type;
+    AttentionBwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), In<T>(out), In<S>(lse), In<T>(dout),
+                        In<S>(dlse), Out<T>(dq), Out<T>(dk), Out<T>(dv), d, causal, scale);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Ret<ffi::AnyBuffer>()   // out [B, Tq, H, D]
+                           .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32 (f64 for f64)
+                           .Attr<bool>("causal")
+                           .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // out [B, Tq, H, D]
+                           .Arg<ffi::AnyBuffer>()   // lse [B, H, Tq]
+                           .Arg<ffi::AnyBuffer>()   // dout [B, Tq, H, D]
+                           .Arg<ffi::AnyBuffer>()   // dlse [B, H, Tq], cotangent of lse
+                           .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
+                           .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
+                           .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
+                           .Attr<bool>("causal")
+                           .Attr<float>("scale"));
+
+BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
+BLUJAX_REGISTER(blujax_attention_bwd, kAttentionBwd);
+
+}  // namespace blujax
