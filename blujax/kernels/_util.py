@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from blujax._ffi import current_platform
+
 
 def result_type(like: jax.Array, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     """An ffi_call result type shaped like `like`, keeping its varying-manual-axes type.
@@ -45,3 +47,21 @@ def check_dtype(op: str, name: str, x, allowed) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(a) for a in allowed]:
         names = ", ".join(jnp.dtype(a).name for a in allowed)
         raise TypeError(f"{op}: {name} has dtype {jnp.dtype(x.dtype).name}; supported: {names}")
+
+
+def check_float64_platform(op: str, dtype) -> None:
+    """float64 kernels exist on the CPU only."""
+    if jnp.dtype(dtype) == jnp.float64 and current_platform() != "cpu":
+        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+
+
+def check_feature_param(op: str, name: str, p, x) -> None:
+    """A per-feature parameter (weight, bias) of x [..., C]: shape (C,) and x's dtype."""
+    c = x.shape[-1]
+    if p.shape != (c,):
+        raise ValueError(
+            f"{op}: {name} must have shape ({c},) to match the last axis of x "
+            f"(shape {x.shape}), got {p.shape}"
+        )
+    if p.dtype != x.dtype:
+        raise TypeError(f"{op}: {name} is {p.dtype} but x is {x.dtype}; use one dtype")

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, match_vma, result_type
+from blujax._ffi import require_kernels
+from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # hparams layout, shared with xla_ext/common/adamw.h.
@@ -117,5 +117,4 @@ def _check(op, params, grads, ms, vs, hparams, b1, b2, eps):
         raise ValueError(f"{op}: hparams must be {mdt.name}[{len(HPARAMS)}] "
                          f"({', '.join(HPARAMS)}), got "
                          f"{jnp.dtype(hparams.dtype).name}{list(hparams.shape)}")
-    if dtype == jnp.float64 and current_platform() != "cpu":
-        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+    check_float64_platform(op, dtype)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blujax._ffi import current_platform, require_target
-from blujax.kernels._util import check_dtype, match_vma, result_type
+from blujax._ffi import require_target
+from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 
@@ -81,8 +81,7 @@ def _check(op, q, k, v, causal, scale) -> float:
         scale = 1.0 / math.sqrt(d)
     if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
-    if q.dtype == jnp.float64 and current_platform() != "cpu":
-        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+    check_float64_platform(op, q.dtype)
     return float(scale)
 
 

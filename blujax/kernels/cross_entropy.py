@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, match_vma, result_type
+from blujax._ffi import require_kernels
+from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 _INT32 = np.iinfo(np.int32)
@@ -144,8 +144,7 @@ def _check_logits(op, logits):
     if logits.shape[1] > _INT32.max:
         raise ValueError(f"{op}: at most 2^31 - 1 classes, got {logits.shape[1]}")
     check_dtype(op, "logits", logits, _DTYPES)
-    if logits.dtype == jnp.float64 and current_platform() != "cpu":
-        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+    check_float64_platform(op, logits.dtype)
 
 
 def _check_targets(op, targets, logits):

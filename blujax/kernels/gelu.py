@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, match_vma, result_type
+from blujax.kernels._util import check_dtype, check_feature_param, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Bound on the partial dbias rows of the CUDA backward: it launches about 4 blocks per
@@ -49,16 +49,8 @@ def _check(x, bias):
     if bias is not None:
         if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
             raise TypeError(f"gelu: bias must be an array or None, got {type(bias).__name__}")
-        c = x.shape[-1]
-        if bias.shape != (c,):
-            raise ValueError(
-                f"gelu: bias must have shape ({c},) to match the last axis of x "
-                f"(shape {x.shape}), got {bias.shape}"
-            )
-        if bias.dtype != x.dtype:
-            raise TypeError(f"gelu: bias is {bias.dtype} but x is {x.dtype}; use one dtype")
-    if x.dtype == jnp.float64 and current_platform() != "cpu":
-        raise TypeError("gelu: float64 runs on the CPU kernels only; use float32 or bfloat16")
+        check_feature_param("gelu", "bias", bias, x)
+    check_float64_platform("gelu", x.dtype)
 
 
 def _partials(x) -> int:

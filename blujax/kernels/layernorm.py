@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, match_vma, result_type
+from blujax.kernels._util import check_dtype, check_feature_param, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Upper bound on the per-block partial rows of dweight/dbias the CUDA backward may use; it
@@ -60,17 +60,10 @@ def _check(op, x, weight, bias, eps):
         raise ValueError(f"{op}: the last axis of x is empty (shape {x.shape})")
     check_dtype(op, "x", x, _DTYPES)
     for name, p in (("weight", weight), ("bias", bias)):
-        if p.shape != (c,):
-            raise ValueError(
-                f"{op}: {name} must have shape ({c},) to match the last axis of x "
-                f"(shape {x.shape}), got {p.shape}"
-            )
-        if p.dtype != x.dtype:
-            raise TypeError(f"{op}: {name} is {p.dtype} but x is {x.dtype}; use one dtype")
+        check_feature_param(op, name, p, x)
     if not (isinstance(eps, (int, float, np.floating)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
-    if x.dtype == jnp.float64 and current_platform() != "cpu":
-        raise TypeError(f"{op}: float64 runs on the CPU kernels only; use float32 or bfloat16")
+    check_float64_platform(op, x.dtype)
 
 
 def _stat_dtype(dtype):
