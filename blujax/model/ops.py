@@ -1,0 +1,46 @@
+"""The two kernel namespaces a model runs on, by name.
+
+"ffi" is `blujax.kernels`: our CPU/CUDA kernels as XLA custom calls. "xla" is the plain-JAX
+way of writing the same model, the baseline our kernels are measured against: the jnp ops of
+`blujax.kernels.xla`, which XLA fuses itself, except attention, which is
+`jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU for bfloat16, XLA's otherwise) —
+what a JAX user would reach for, rather than the float32-exact oracle of the spec.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+
+from blujax import kernels
+from blujax.kernels import xla
+
+NAMES = ("ffi", "xla")
+
+
+def _dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
+    impl = None
+    if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
+        impl = "cudnn"
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                        implementation=impl)
+
+
+XLA = types.SimpleNamespace(
+    layer_norm=xla.layer_norm,
+    add_layer_norm=xla.add_layer_norm,
+    gelu=xla.gelu,
+    softmax_cross_entropy=xla.softmax_cross_entropy,
+    attention=_dot_product_attention,
+)
+
+
+def get(name: str):
+    """The ops namespace called `name` ("ffi" or "xla")."""
+    if name == "ffi":
+        return kernels
+    if name == "xla":
+        return XLA
+    raise ValueError(f"unknown ops {name!r}: choose one of {', '.join(NAMES)}")
