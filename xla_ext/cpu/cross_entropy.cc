@@ -45,10 +45,10 @@ void RowMaxSum(const T* row, int64_t vocab, Stat<T>* max_out, Stat<T>* sum_out) 
 
 template <typename T>
 void CrossEntropyFwdRows(const T* logits, const int32_t* targets, Stat<T>* loss, Stat<T>* lse,
-                         CrossEntropyShape shape, int64_t ignore_index) {
+                         CrossEntropyShape shape, int64_t ignore_index, int64_t r0, int64_t r1) {
   using S = Stat<T>;
   const S nan = std::numeric_limits<S>::quiet_NaN();
-  for (int64_t r = 0; r < shape.rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const int64_t t = targets[r];
     if (t == ignore_index) {  // no gradient either, so the row is not even read
       loss[r] = 0;
@@ -72,8 +72,8 @@ template <typename T>
 void CrossEntropyStatsRows(const T* logits, const int32_t* targets, const int32_t* vocab_start,
                            int64_t rows_per_start,
                            Stat<T>* row_max, Stat<T>* sum_exp, Stat<T>* target_logit,
-                           CrossEntropyShape shape) {
-  for (int64_t r = 0; r < shape.rows; ++r) {
+                           CrossEntropyShape shape, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const T* row = logits + r * shape.vocab;
     RowMaxSum(row, shape.vocab, &row_max[r], &sum_exp[r]);
     const int64_t local = int64_t{targets[r]} - vocab_start[r / rows_per_start];
@@ -86,9 +86,9 @@ template <typename T>
 void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>* lse,
                          const Stat<T>* g, const int32_t* vocab_start, int64_t rows_per_start,
                          T* dlogits,
-                         CrossEntropyShape shape, int64_t ignore_index) {
+                         CrossEntropyShape shape, int64_t ignore_index, int64_t r0, int64_t r1) {
   using S = Stat<T>;
-  for (int64_t r = 0; r < shape.rows; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     const int64_t off = r * shape.vocab;
     if (targets[r] == ignore_index) {
       for (int64_t c = 0; c < shape.vocab; ++c) Store(dlogits, off + c, S(0));
@@ -104,7 +104,7 @@ void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>*
   }
 }
 
-ffi::Error CrossEntropyFwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
+ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
                            ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                            int64_t ignore_index) {
   const char* op = "blujax_cross_entropy_fwd";
@@ -115,12 +115,14 @@ ffi::Error CrossEntropyFwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", *lse, logits, shape));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    CrossEntropyFwdRows<T>(In<T>(logits), In<int32_t>(targets), Out<Stat<T>>(loss),
-                           Out<Stat<T>>(lse), shape, ignore_index);
+    ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
+      CrossEntropyFwdRows<T>(In<T>(logits), In<int32_t>(targets), Out<Stat<T>>(loss),
+                             Out<Stat<T>>(lse), shape, ignore_index, r0, r1);
+    });
   });
 }
 
-ffi::Error CrossEntropyStats(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
+ffi::Error CrossEntropyStats(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
                              ffi::AnyBuffer vocab_start, ffi::Result<ffi::AnyBuffer> row_max,
                              ffi::Result<ffi::AnyBuffer> sum_exp,
                              ffi::Result<ffi::AnyBuffer> target_logit) {
@@ -136,13 +138,15 @@ ffi::Error CrossEntropyStats(ffi::AnyBuffer logits, ffi::AnyBuffer targets,
       CheckCrossEntropyRowValues(op, "target_logit", *target_logit, logits, shape));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    CrossEntropyStatsRows<T>(In<T>(logits), In<int32_t>(targets), In<int32_t>(vocab_start),
-                             rows_per_start, Out<Stat<T>>(row_max),
-                             Out<Stat<T>>(sum_exp), Out<Stat<T>>(target_logit), shape);
+    ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
+      CrossEntropyStatsRows<T>(In<T>(logits), In<int32_t>(targets), In<int32_t>(vocab_start),
+                               rows_per_start, Out<Stat<T>>(row_max), Out<Stat<T>>(sum_exp),
+                               Out<Stat<T>>(target_logit), shape, r0, r1);
+    });
   });
 }
 
-ffi::Error CrossEntropyBwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::AnyBuffer lse,
+ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::AnyBuffer lse,
                            ffi::AnyBuffer g, ffi::AnyBuffer vocab_start,
                            ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index) {
   const char* op = "blujax_cross_entropy_bwd";
@@ -156,9 +160,11 @@ ffi::Error CrossEntropyBwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::A
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    CrossEntropyBwdRows<T>(In<T>(logits), In<int32_t>(targets), In<Stat<T>>(lse),
-                           In<Stat<T>>(g), In<int32_t>(vocab_start), rows_per_start,
-                           Out<T>(dlogits), shape, ignore_index);
+    ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
+      CrossEntropyBwdRows<T>(In<T>(logits), In<int32_t>(targets), In<Stat<T>>(lse),
+                             In<Stat<T>>(g), In<int32_t>(vocab_start), rows_per_start,
+                             Out<T>(dlogits), shape, ignore_index, r0, r1);
+    });
   });
 }
 
@@ -166,6 +172,7 @@ ffi::Error CrossEntropyBwd(ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::A
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::AnyBuffer>()   // logits [..., V]
                            .Arg<ffi::AnyBuffer>()   // targets [...] int32
                            .Ret<ffi::AnyBuffer>()   // loss [...]
@@ -174,6 +181,7 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::AnyBuffer>()   // logits [..., V]
                            .Arg<ffi::AnyBuffer>()   // targets [...] int32, global class ids
                            .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
@@ -183,6 +191,7 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                        ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
                            .Arg<ffi::AnyBuffer>()   // logits [..., V]
                            .Arg<ffi::AnyBuffer>()   // targets [...] int32, global class ids
                            .Arg<ffi::AnyBuffer>()   // lse [...]
