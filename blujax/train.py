@@ -130,7 +130,7 @@ def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
         loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": lr_at(state.step).astype(jnp.float32)}
         return TrainState(state.step + 1, params, opt_state), metrics
 

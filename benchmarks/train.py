@@ -1,0 +1,174 @@
+"""GPT-2 train-step throughput: our kernels (ops=ffi) vs the plain-JAX model (ops=xla, with
+cuDNN attention on a GPU), side by side in one run.
+
+    python benchmarks/train.py [--model gpt2] [--seq 1024] [--batch 16,32,64] [--ops ffi,xla]
+                               [--dtype bf16,f32] [--steps 10] [--profile DIR]
+
+For each (dtype, batch, ops): the jitted step (donated state, one micro-batch) is compiled,
+run twice to warm up, then timed step by step (each waited for) for --steps steps; the median
+step time gives tokens/s and MFU. FLOPs per token are `gpt2.flops_per_token` (6 per weight of
+every matrix product, LM head at the padded vocabulary, attention's products in full:
+854.6M for GPT-2 124M at T = 1024), against `train.PEAK_FLOPS` for the device. Peak memory is
+the step program's own (XLA's memory analysis: arguments + outputs + temporaries - donated
+aliases), which is what the state and one step need. --profile DIR also writes a profiler
+trace of 3 steps of the first configuration and prints where the device time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blujax import train  # noqa: E402
+from blujax.model import gpt2  # noqa: E402
+from blujax.model import ops as model_ops  # noqa: E402
+
+
+def _program_bytes(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        return None
+
+
+def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir=None):
+    tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat)
+    ops = model_ops.get(ops_name)
+    state = train.init_state(config, tcfg, jax.random.key(0), ops)
+    step = train.make_train_step(config, tcfg, ops)
+    tokens = jax.random.randint(jax.random.key(1), (1, batch, seq + 1), 0, config.vocab_size)
+    x, y = tokens[..., :-1], tokens[..., 1:]
+    t0 = time.perf_counter()
+    compiled = step.lower(state, x, y).compile()
+    compile_s = time.perf_counter() - t0
+    mem = _program_bytes(compiled)
+    for _ in range(2):
+        state, m = compiled(state, x, y)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = compiled(state, x, y)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t0)
+    if profile_dir:
+        _profile(compiled, state, x, y, profile_dir)
+    step_s = statistics.median(times)
+    tok_s = batch * seq / step_s
+    peak = train.peak_flops(jax.devices()[0], dtype)
+    flops = gpt2.flops_per_token(config, seq) * tok_s
+    row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": seq, "remat": remat,
+           "step_ms": step_s * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12,
+           "mfu": flops / peak if peak else None,
+           "program_gb": mem / 1e9 if mem is not None else None,
+           "compile_s": compile_s, "loss": float(m["loss"])}
+    del state, compiled, step
+    gc.collect()
+    return row
+
+
+def _profile(compiled, state, x, y, out_dir):
+    out_dir = Path(out_dir)
+    jax.profiler.start_trace(str(out_dir), create_perfetto_trace=True)
+    for _ in range(3):
+        state, m = compiled(state, x, y)
+    jax.block_until_ready(m)
+    jax.profiler.stop_trace()
+    traces = sorted(out_dir.rglob("*.trace.json.gz"))
+    if traces:
+        print(kernel_time_summary(traces[-1], steps=3))
+
+
+def kernel_time_summary(path, steps: int, top: int = 25) -> str:
+    """Device time per kernel name over the traced steps, from a Perfetto JSON trace."""
+    import gzip
+    events = json.load(gzip.open(path)).get("traceEvents", [])
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+               for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    pids = {e.get("pid"): e.get("args", {}).get("name", "")
+            for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    total: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        proc = pids.get(e.get("pid"), "")
+        if "/device:GPU" not in proc or "Stream" not in threads.get((e["pid"], e["tid"]), ""):
+            continue
+        total[e["name"]] = total.get(e["name"], 0.0) + e.get("dur", 0.0)
+    busy = sum(total.values())
+    lines = [f"device time per step: {busy / steps / 1e3:.2f} ms (kernels, summed over streams)",
+             "| kernel | ms / step | share |", "|---|---|---|"]
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {name[:90]} | {us / steps / 1e3:.3f} | {us / max(busy, 1e-9):.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--batch", default="16,32,64", help="batch sizes, comma-separated")
+    p.add_argument("--ops", default="ffi,xla", help="ops namespaces to compare: ffi, xla")
+    p.add_argument("--dtype", default="bf16,f32", help="compute dtypes: bf16, f32")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--remat", action="store_true", help="recompute block activations")
+    p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
+    a = p.parse_args(argv)
+    config = gpt2.get_config(a.model)
+    rows = []
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {a.model}, "
+          f"T={a.seq}, {gpt2.flops_per_token(config, a.seq) / 1e6:.1f}M FLOP/token", flush=True)
+    first = True
+    for dtype in a.dtype.split(","):
+        for batch in (int(b) for b in a.batch.split(",")):
+            for ops_name in a.ops.split(","):
+                try:
+                    row = run_one(config, a.seq, batch, ops_name, dtype, a.steps, a.remat,
+                                  a.profile if first else None)
+                except Exception as e:  # out of memory, say: record it, go on
+                    msg = str(e).splitlines()[0][:160]
+                    row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": a.seq,
+                           "error": msg}
+                first = False
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if a.json:
+        Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(table(rows))
+    return 0
+
+
+def table(rows) -> str:
+    ok = {(r["dtype"], r["batch"], r["ops"]): r for r in rows if "error" not in r}
+    lines = ["| dtype | batch | ops | tokens/s | ffi / xla | step ms | TFLOP/s | MFU | "
+             "program GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['dtype']} | {r['batch']} | {r['ops']} | failed: {r['error']} "
+                         "| | | | | |")
+            continue
+        xla = ok.get((r["dtype"], r["batch"], "xla"))
+        ratio = f"{r['tokens_per_s'] / xla['tokens_per_s']:.2f}x" if xla and r["ops"] == "ffi" else ""
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        gb = f"{r['program_gb']:.1f}" if r["program_gb"] is not None else "n/a"
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['ops']} | {r['tokens_per_s'] / 1e3:.1f}K "
+                     f"| {ratio} | {r['step_ms']:.1f} | {r['tflops']:.0f} | {mfu} | {gb} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
