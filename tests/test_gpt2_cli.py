@@ -1,0 +1,330 @@
+"""examples/gpt2.py (blujax.cli): train, resume, eval, sample, the data it finds, its errors.
+
+Needs, from the environment: BLUJAX_TEST_DATA (a folder with tinyshakespeare.txt, and llm.c's
+shards of it in tinyshakespeare_llmc/) and TIKTOKEN_CACHE_DIR (or network access) for the
+GPT-2 tokenizer; what needs them skips without them. Nothing is written beside the shared
+files: the corpus is copied into the test's folder, and the user cache is a temporary one.
+"""
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blujax import cli
+from blujax.checkpoint import Checkpointer
+from blujax.data import ShardError
+
+# A 2-layer, 64-wide model on 4 x 32 tokens a step: a run of a few steps takes seconds.
+TINY = ["--model", "tiny", "--batch", "4", "--seq", "32", "--no-progress"]
+
+
+def _test_data() -> Path:
+    root = os.environ.get("BLUJAX_TEST_DATA")
+    if not root:
+        pytest.skip("BLUJAX_TEST_DATA is not set (the folder with tinyshakespeare.txt)")
+    path = Path(root) / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} not found under BLUJAX_TEST_DATA")
+    return Path(root)
+
+
+def _tokenizer():
+    from blujax.data import get_encoding
+    try:
+        return get_encoding("gpt2")
+    except RuntimeError as e:
+        pytest.skip(f"the GPT-2 tokenizer is unavailable (set TIKTOKEN_CACHE_DIR): {e}")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """The user cache is the test's own; no BLUJAX_CORPUS from the caller leaks in."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.delenv("BLUJAX_CORPUS", raising=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The first 100 kB of tinyshakespeare (about 27k tokens) in a folder of the test's own."""
+    source = _test_data() / "tinyshakespeare.txt"
+    _tokenizer()
+    path = tmp_path_factory.mktemp("corpus") / "shakespeare.txt"
+    path.write_bytes(source.read_bytes()[:100_000])
+    return path
+
+
+def _run(capsys, *argv):
+    """main(argv) in-process: (exit status, stdout, stderr)."""
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """Six steps straight, validation and a checkpoint every three, samples and a profile."""
+    out = tmp_path_factory.mktemp("run") / "straight"
+    profile = out.parent / "profile"
+    status = cli.main(["train", "--data", str(corpus), *TINY, "--steps", "6", "--eval-every",
+                       "3", "--save-every", "3", "--sample-tokens", "8", "--profile",
+                       str(profile), "--out", str(out)])
+    assert status == 0
+    return out
+
+
+def test_train_writes_metrics_plot_config_checkpoints(trained, corpus):
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(r)
+        assert np.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["lr"] > 0
+        assert r["step_time_s"] > 0
+    # The first step compiles: it is not counted as throughput; the others are.
+    assert records[0]["tokens_per_s"] is None
+    assert all(r["tokens_per_s"] > 0 for r in records[1:])
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert (trained / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    config = json.loads((trained / "config.json").read_text())
+    assert config["model"]["name"] == "tiny" and config["model"]["n_layer"] == 2
+    assert config["train"]["steps"] == 6 and config["settings"]["batch"] == 4
+    assert config["data"]["spec"] == str(corpus.absolute())
+    assert config["data"]["train_tokens"] > 20_000
+
+    assert Checkpointer(trained / "ckpt").steps() == [3, 6]
+    samples = (trained / "samples.txt").read_text()
+    assert samples.count("Hello, I'm a") == 2
+    # The tokenized corpus is cached beside the text, for the next run.
+    assert sorted(p.name for p in (corpus.parent / "shakespeare.txt.tokens").glob("*.bin")) \
+        == ["shakespeare_train_000001.bin", "shakespeare_val_000000.bin"]
+    assert list((trained.parent / "profile").rglob("*.xplane.pb"))
+
+
+def test_resume_is_bit_identical(trained, corpus, tmp_path, capsys):
+    out = tmp_path / "resumed"
+    base = ["train", "--data", corpus, *TINY, "--steps", 6, "--eval-every", 3,
+            "--sample-tokens", 0, "--out", out]
+    status, stdout, _ = _run(capsys, *base, "--stop-after", 3)
+    assert status == 0 and "train --resume" in stdout
+    assert Checkpointer(out / "ckpt").steps() == [3]
+
+    # A resumed run keeps the settings that change its numbers.
+    status, _, err = _run(capsys, "train", "--resume", "--out", out, "--lr", "2e-3")
+    assert status == 2 and "--lr 0.002 (the run has 0.001)" in err
+
+    status, stdout, _ = _run(capsys, "train", "--resume", "--out", out, "--no-progress")
+    assert status == 0 and "resuming after step 3" in stdout
+
+    def metrics(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    straight, resumed = metrics(trained), metrics(out)
+    for key in ("step", "loss", "grad_norm", "lr"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+    assert [r.get("val_loss") for r in resumed] == [r.get("val_loss") for r in straight]
+    a = Checkpointer(trained / "ckpt").restore()
+    b = Checkpointer(out / "ckpt").restore()
+    assert a.step == b.step == 6 and a.loader == b.loader
+    assert a.tree.keys() == b.tree.keys()
+    for name in a.tree:
+        np.testing.assert_array_equal(a.tree[name], b.tree[name], err_msg=name)
+
+    # Finished: a further --resume has nothing to do.
+    status, stdout, _ = _run(capsys, "train", "--resume", "--out", out)
+    assert status == 0 and "nothing to train" in stdout
+
+
+def test_eval_matches_the_runs_validation_loss(trained, capsys):
+    status, stdout, _ = _run(capsys, "eval", "--out", trained)
+    assert status == 0
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert f"step 6: val loss {records[-1]['val_loss']:.4f}" in stdout
+
+
+def test_sample_is_deterministic_for_a_seed(trained, capsys):
+    argv = ["sample", "--out", trained, "--prompt", "ROMEO:", "--max-new-tokens", 12,
+            "--num-samples", 2]
+    status, first, _ = _run(capsys, *argv, "--seed", 1)
+    assert status == 0 and first.count("ROMEO:") == 2
+    assert _run(capsys, *argv, "--seed", 1)[1] == first
+    assert _run(capsys, *argv, "--seed", 2)[1] != first
+
+
+def _assert_usage_error(status, err, message):
+    assert status == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert message in lines[0], err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt5"], "unknown model 'gpt5'; the presets are: gpt2,"),
+    (["--model", "tiny", "--seq", "129"], "--seq 129 is longer than the model's block_size "
+                                          "(128 for tiny)"),
+    (["--model", "tiny", "--batch", "6", "--accum", "4"], "--batch 6 does not split into "
+                                                          "--accum 4 equal micro-batches"),
+    (["--model", "tiny", "--steps", "0"], "--steps must be at least 1"),
+    (["--model", "tiny", "--steps", "4", "--stop-after", "5"], "--stop-after 5 must lie in"),
+    (["--data", "no/such/corpus.txt", "--model", "tiny"], "--data no/such/corpus.txt: no such "
+                                                          "file or directory"),
+    (["--data", "no/such/*.bin", "--model", "tiny"], "the pattern matches no files"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
+    status, _, err = _run(capsys, "train", *argv, "--out", tmp_path / "run")
+    _assert_usage_error(status, err, message)
+
+
+def test_data_errors(tmp_path, capsys):
+    _tokenizer()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    status, _, err = _run(capsys, "train", "--data", empty, *TINY, "--out", tmp_path / "a")
+    _assert_usage_error(status, err, f"--data {empty}: the file is empty")
+
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be, that is the question. " * 8)  # ~90 tokens
+    status, _, err = _run(capsys, "train", "--data", short, *TINY, "--out", tmp_path / "b")
+    _assert_usage_error(status, err, "too few tokens for one batch: --batch 4 x --seq 32 needs "
+                                     "129 tokens in one shard")
+
+
+def test_run_folder_errors(trained, tmp_path, capsys):
+    status, _, err = _run(capsys, "train", "--model", "tiny", "--out", trained)
+    _assert_usage_error(status, err, "already holds a run (checkpoint of step 6): --resume")
+    for command in ("eval", "sample"):
+        status, _, err = _run(capsys, command, "--out", tmp_path / "nothing")
+        _assert_usage_error(status, err, "holds no training run (no config.json)")
+    status, _, err = _run(capsys, "train", "--resume", "--out", tmp_path / "nothing")
+    _assert_usage_error(status, err, "holds no training run")
+    status, _, err = _run(capsys, "sample", "--out", trained, "--max-new-tokens", 200)
+    _assert_usage_error(status, err, "exceed the model's block_size (128)")
+
+
+def test_offline_without_the_corpus_says_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "CORPUS_URL", "http://127.0.0.1:9/input.txt")  # refused at once
+    status, _, err = _run(capsys, "train", "--model", "tiny", "--out", tmp_path / "run")
+    _assert_usage_error(status, err, "could not download the default corpus")
+    assert "set BLUJAX_CORPUS" in err and "--data FILE" in err and "TIKTOKEN_CACHE_DIR" in err
+    monkeypatch.setenv("BLUJAX_CORPUS", str(tmp_path / "missing.txt"))
+    status, _, err = _run(capsys, "train", "--model", "tiny", "--out", tmp_path / "run")
+    _assert_usage_error(status, err, "BLUJAX_CORPUS=")
+
+
+def test_default_corpus_is_llmc_tinyshakespeare(tmp_path, monkeypatch):
+    """The default corpus, found through BLUJAX_CORPUS, tokenizes into exactly llm.c's
+    tinyshakespeare shards (its paragraphs as documents, 32768 validation tokens), in the user
+    cache (not beside the file: that may be a shared folder), and is reused; the user cache's
+    own copy of the text comes first once present."""
+    root = _test_data()
+    _tokenizer()
+    llmc = root / "tinyshakespeare_llmc"
+    if not llmc.is_dir():
+        pytest.skip(f"{llmc} not found under BLUJAX_TEST_DATA")
+    copy = tmp_path / "shared" / "input.txt"
+    copy.parent.mkdir()
+    shutil.copyfile(root / "tinyshakespeare.txt", copy)
+    monkeypatch.setenv("BLUJAX_CORPUS", str(copy))
+    source = cli.resolve_data(None, progress=False)
+    tokens = cli.user_cache_dir() / "tinyshakespeare.txt.tokens"
+    assert {p.parent for p in source.train + source.val} == {tokens}
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["input.txt"]
+    for ours, theirs in ((source.train[0], "tiny_shakespeare_train.bin"),
+                         (source.val[0], "tiny_shakespeare_val.bin")):
+        assert ours.read_bytes() == (llmc / theirs).read_bytes()
+    stamp = source.train[0].stat().st_mtime_ns
+    assert cli.resolve_data(None, progress=False) == source
+    assert source.train[0].stat().st_mtime_ns == stamp  # reused, not written again
+
+    cached = cli.user_cache_dir() / cli.CORPUS_NAME
+    shutil.copyfile(copy, cached)
+    monkeypatch.setenv("BLUJAX_CORPUS", str(tmp_path / "elsewhere.txt"))  # not looked at
+    again = cli.resolve_data(None, progress=False)
+    assert again.train[0].read_bytes() == source.train[0].read_bytes()
+
+
+def test_download_checks_the_sha256(tmp_path, corpus):
+    import hashlib
+    url = corpus.absolute().as_uri()
+    dest = tmp_path / "cache" / "corpus.txt"
+    with pytest.raises(ValueError, match="sha256"):
+        cli.download(url, dest, sha256="0" * 64, progress=False)
+    assert not dest.exists() and not list(dest.parent.iterdir())  # no partial file left
+    cli.download(url, dest, sha256=hashlib.sha256(corpus.read_bytes()).hexdigest(),
+                 progress=False)
+    assert dest.read_bytes() == corpus.read_bytes()
+
+
+def test_tokens_go_to_the_user_cache_when_the_folder_is_read_only(tmp_path, monkeypatch):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    monkeypatch.setattr(cli, "_writable", lambda folder: folder.parent != tmp_path)
+    cache = cli._token_cache(text)
+    assert cache.parent == cli.user_cache_dir() / "tokens"
+    assert cache.name.startswith("notes.txt-")
+
+
+def test_shard_folders_and_globs_split_by_name(tmp_path):
+    llmc = _test_data() / "tinyshakespeare_llmc"
+    if not llmc.is_dir():
+        pytest.skip(f"{llmc} not found under BLUJAX_TEST_DATA")
+    for spec in (str(llmc), str(llmc / "*.bin")):
+        source = cli.resolve_data(spec, progress=False)
+        assert [p.name for p in source.train] == ["tiny_shakespeare_train.bin"]
+        assert [p.name for p in source.val] == ["tiny_shakespeare_val.bin"]
+    one = cli.resolve_data(str(llmc / "tiny_shakespeare_train.bin"), progress=False)
+    assert [p.name for p in one.val] == ["tiny_shakespeare_val.bin"]  # its twin
+    bad = tmp_path / "bad_train.bin"
+    bad.write_bytes(b"\0" * 100)
+    with pytest.raises(ShardError, match="shorter than"):
+        cli.resolve_data(str(bad), progress=False)
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    return [(a.option_strings[-1], a.help or "") for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def test_help_explains_every_flag(capsys):
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    wanted = {
+        "train": ["--data", "--model", "--steps", "--batch", "--seq", "--ops", "--dtype",
+                  "--seed", "--out", "--lr", "--warmup", "--accum", "--eval-every",
+                  "--eval-batches", "--save-every", "--resume", "--remat", "--profile",
+                  "--sample-tokens"],
+        "eval": ["--out", "--data"],
+        "sample": ["--out", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
+                   "--seed", "--num-samples"],
+    }
+    for name, sub in commands.choices.items():
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([name, "--help"])
+        assert exit_.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        flags = _flags(sub)
+        assert set(wanted[name]) <= {f for f, _ in flags}
+        for flag, help_text in flags:
+            assert flag in text
+            # Every flag says what it does and what it is when not given.
+            assert len(help_text) > 15 and "default" in help_text, flag
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    top = capsys.readouterr().out
+    assert all(name in top for name in ("train", "eval", "sample"))
+
+
+def test_a_signal_asks_for_a_stop_after_the_step():
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    with cli._StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
+        assert stop.requested
+    assert signal.getsignal(signal.SIGTERM) is before
