@@ -3,22 +3,33 @@
 # installed jax/jaxlib, run the whole test suite on the GPU (and the emulated-CPU-mesh tests),
 # run the kernel benchmarks, and print a short table last. Logs go to OUT_DIR.
 #
-#   scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops layernorm,...]
+#   scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops layernorm,...] [--tests "SEL"]
+#                        [--no-reruns] [--no-kernels] [--train "ARGS"]
 #
-# --quick      one benchmark shape per op
-# --sanitize   also run the CUDA tests under compute-sanitizer (memcheck), slower
-# --ops LIST   benchmark only these ops (benchmarks/cases/<op>.py)
+# --quick       one benchmark shape per op
+# --sanitize    also run the CUDA tests under compute-sanitizer (memcheck), slower
+# --ops LIST    benchmark only these ops (benchmarks/cases/<op>.py)
+# --tests SEL   what pytest runs on the GPU (default: tests), e.g. "tests/test_attention.py"
+# --no-reruns   skip the reruns without CUDA graphs and on 8 emulated CPU devices
+# --no-kernels  skip the kernel benchmarks
+# --train ARGS  also run benchmarks/train.py ARGS (GPT-2 step throughput)
+# A machine lent for a few minutes at a time can run the whole check in several calls, each with
+# a part of it.
 # Needs: python3 with jax[cuda] installed, nanobind, scikit-build-core, cmake, ninja, nvcc.
 set -euo pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops LIST]}
 shift
-quick="" sanitize="" ops=""
+quick="" sanitize="" ops="" tests="tests" reruns=1 kernels=1 train=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick="--quick" ;;
     --sanitize) sanitize=1 ;;
     --ops) ops="--ops $2"; shift ;;
+    --tests) tests="$2"; shift ;;
+    --no-reruns) reruns="" ;;
+    --no-kernels) kernels="" ;;
+    --train) train="$2"; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -47,28 +58,45 @@ echo "built in $(( $(date +%s) - start )) s"
 
 step "tests on the GPU"
 set +e
-"$py" -m pytest -q -rs tests 2>&1 | tee "$out/tests_gpu.log"
+# shellcheck disable=SC2086  # $tests is a list of pytest arguments
+"$py" -m pytest -q -rs $tests 2>&1 | tail -30 | tee "$out/tests_gpu.log"
 gpu_status=${PIPESTATUS[0]}
-step "kernel value tests again with XLA's command buffers (CUDA graphs) off"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "$kernel_tests" tests \
-  2>&1 | tee "$out/tests_gpu_nographs.log"
-nographs_status=${PIPESTATUS[0]}
-step "tests on 8 emulated CPU devices (the CPU kernels)"
-JAX_PLATFORMS=cpu "$py" -m pytest -q tests 2>&1 | tee "$out/tests_cpu.log"
-cpu_status=${PIPESTATUS[0]}
+nographs_status=skipped cpu_status=skipped
+echo "skipped" >"$out/tests_gpu_nographs.log"; echo "skipped" >"$out/tests_cpu.log"
+if [ -n "$reruns" ]; then
+  step "kernel value tests again with XLA's command buffers (CUDA graphs) off"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "$kernel_tests" $tests \
+    2>&1 | tail -5 | tee "$out/tests_gpu_nographs.log"
+  nographs_status=${PIPESTATUS[0]}
+  step "tests on 8 emulated CPU devices (the CPU kernels)"
+  JAX_PLATFORMS=cpu "$py" -m pytest -q $tests 2>&1 | tail -5 | tee "$out/tests_cpu.log"
+  cpu_status=${PIPESTATUS[0]}
+fi
 sanitizer_status=skipped
 if [ -n "$sanitize" ]; then
   step "compute-sanitizer memcheck over the GPU tests"
   timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 --log-file "$out/sanitizer.log" \
-    "$py" -m pytest -q -x -k "$kernel_tests" tests >"$out/tests_sanitizer.log" 2>&1
+    "$py" -m pytest -q -x -k "$kernel_tests" $tests >"$out/tests_sanitizer.log" 2>&1
   sanitizer_status=$?
   tail -3 "$out/tests_sanitizer.log"; tail -3 "$out/sanitizer.log"
 fi
 set -e
 
-step "kernel benchmarks"
-"$py" benchmarks/kernels.py $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
-  || { tail -40 "$out/bench.log"; exit 1; }
+echo "(no kernel benchmarks)" >"$out/kernels.md"
+if [ -n "$kernels" ]; then
+  step "kernel benchmarks"
+  "$py" benchmarks/kernels.py $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
+    || { tail -40 "$out/bench.log"; exit 1; }
+fi
+echo "(no train benchmark)" >"$out/train.md"
+if [ -n "$train" ]; then
+  step "GPT-2 train-step benchmark"
+  # shellcheck disable=SC2086
+  train_status=0
+  "$py" benchmarks/train.py $train --json "$out/train.jsonl" >"$out/train.log" 2>&1 || train_status=$?
+  tail -20 "$out/train.log" | sed -n '/^| dtype/,$p' >"$out/train.md"
+  [ "$train_status" = 0 ] || tail -30 "$out/train.log"
+fi
 
 step "summary"
 echo "tests on GPU:      $(tail -1 "$out/tests_gpu.log") (exit $gpu_status)"
@@ -76,4 +104,6 @@ echo "tests, no graphs:  $(tail -1 "$out/tests_gpu_nographs.log") (exit $nograph
 echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
 echo "compute-sanitizer: $sanitizer_status"
 cat "$out/kernels.md"
-[ "$gpu_status" = 0 ] && [ "$nographs_status" = 0 ] && [ "$cpu_status" = 0 ] && { [ -z "$sanitize" ] || [ "$sanitizer_status" = 0 ]; }
+cat "$out/train.md"
+ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
+ok "$gpu_status" && ok "$nographs_status" && ok "$cpu_status" && ok "$sanitizer_status"
