@@ -100,9 +100,9 @@ def init_state(config: gpt2.GPT2Config, tcfg: TrainConfig, key, ops=kernels) -> 
 def loss_fn(params, inputs, targets, *, config, ops, dtype=jnp.float32, remat=False):
     """Mean next-token cross-entropy (float32) of int [B, T] inputs against [B, T] targets."""
     logits = gpt2.forward(params, inputs, config=config, ops=ops, dtype=dtype, remat=remat)
-    V = config.vocab_size
-    # The padded vocabulary columns are cut off, so they never enter the softmax.
-    losses = ops.softmax_cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))
+    # The padded vocabulary columns are left out of the softmax (without slicing a copy).
+    losses = ops.softmax_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                       num_classes=config.vocab_size)
     return jnp.mean(losses)
 
 

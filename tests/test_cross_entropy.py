@@ -307,6 +307,49 @@ def test_vocab_parallel_shard_map(rng, dtype):
     assert "blujax_cross_entropy_stats" in hlo and "all-gather" not in hlo
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(7, 3, 2), (9, 1001, 997), (5, 50304, 50257)], ids=str)
+def test_num_classes_leaves_out_padding(rng, shape, dtype):
+    """num_classes = K on [N, V] logits: the loss of logits[:, :K], zero gradient beyond K,
+    and targets in [K, V) are outside the vocabulary (NaN rows)."""
+    n, v, k = shape
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, k)
+    t = t.at[0].set(k + (v - k) // 2)  # a padding column: NaN, not a class
+    ct = randn(rng, (n,), jnp.float32)
+    loss, dx = _vjp(lambda x: ops.softmax_cross_entropy(x, t, num_classes=k), x, ct)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t, num_classes=k), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32)
+    assert_close_nan(dx, dx_ref, dtype)
+    assert np.isnan(loss[0])
+    finite_rows = ~np.isnan(np.asarray(loss))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32)[finite_rows][:, k:], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_vocab_parallel_num_classes(rng, dtype):
+    """A padded vocabulary split over "tensor": the last device holds real and padded columns."""
+    devices = mesh_devices()
+    tp = 4 if len(devices) % 4 == 0 else 1
+    mesh = jax.make_mesh((len(devices) // tp, tp), ("data", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+    n, v = 3 * (len(devices) // tp), 128 * tp
+    k = v - 77 if tp > 1 else v - 5
+    x, t = _logits(rng, n, v, dtype), _targets(rng, n, k)
+    ct = randn(rng, (n,), jnp.float32)
+
+    @jax.jit
+    def sharded(x, t):
+        f = functools.partial(ops.vocab_parallel_softmax_cross_entropy, axis_name="tensor",
+                              num_classes=k)
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("data", "tensor"), P("data")),
+                             out_specs=P("data"))(x, t)
+
+    loss, dx = jax.jit(lambda x, t, ct: _vjp(lambda x: sharded(x, t), x, ct))(x, t, ct)
+    loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t, num_classes=k), x, ct)
+    assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)
+
+
 def test_lowers_for_cuda():
     # The GPU path lowers (with its logits/dlogits alias) even where no GPU is present.
     x, t = jnp.ones((4, 50257), jnp.bfloat16), jnp.zeros(4, jnp.int32)
@@ -322,6 +365,12 @@ def test_bad_arguments_raise_clear_errors(rng):
     x = randn(rng, (4, 8), jnp.float32)
     t = jnp.asarray([1, 2, 3, 4], jnp.int32)
     ce = ops.softmax_cross_entropy
+    with pytest.raises(ValueError, match=r"num_classes must be in \[1, 8\]"):
+        ce(x, t, num_classes=9)
+    with pytest.raises(ValueError, match=r"num_classes must be in \[1, 8\]"):
+        ce(x, t, num_classes=0)
+    with pytest.raises(TypeError, match="num_classes must be a Python int"):
+        ce(x, t, num_classes=4.0)
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         ce(x[0], t[0])
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
@@ -376,24 +425,27 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
     r4, out = sds((4,), jnp.float32), sds((4, 8), jnp.float32)
     fwd, stats, bwd = ("blujax_cross_entropy_fwd", "blujax_cross_entropy_stats",
                        "blujax_cross_entropy_bwd")
-    ig = np.int64(-1)
+    ig, nc = np.int64(-1), np.int64(8)
     s0 = jnp.int32(0)
     calls = {
-        "targets_dtype": lambda: _raw(fwd, (r4, r4), x, t.astype(jnp.float32), ignore_index=ig),
-        "targets_size": lambda: _raw(fwd, (r4, r4), x, t[:3], ignore_index=ig),
-        "loss_dtype": lambda: _raw(fwd, (sds((4,), jnp.bfloat16), r4), x, t, ignore_index=ig),
-        "lse_size": lambda: _raw(fwd, (r4, sds((5,), jnp.float32)), x, t, ignore_index=ig),
-        "logits_dtype": lambda: _raw(fwd, (r4, r4), x.astype(jnp.int32), t, ignore_index=ig),
+        "targets_dtype": lambda: _raw(fwd, (r4, r4), x, t.astype(jnp.float32), ignore_index=ig, num_classes=nc),
+        "targets_size": lambda: _raw(fwd, (r4, r4), x, t[:3], ignore_index=ig, num_classes=nc),
+        "loss_dtype": lambda: _raw(fwd, (sds((4,), jnp.bfloat16), r4), x, t, ignore_index=ig, num_classes=nc),
+        "lse_size": lambda: _raw(fwd, (r4, sds((5,), jnp.float32)), x, t, ignore_index=ig, num_classes=nc),
+        "logits_dtype": lambda: _raw(fwd, (r4, r4), x.astype(jnp.int32), t, ignore_index=ig, num_classes=nc),
         "scalar_logits": lambda: _raw(fwd, (sds((), jnp.float32),) * 2, x[0, 0], t[0],
-                                      ignore_index=ig),
-        "stats_size": lambda: _raw(stats, (r4, r4, sds((3,), jnp.float32)), x, t, s0),
-        "start_groups": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.zeros(3, jnp.int32)),
-        "start_dtype": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.float32(0)),
-        "g_size": lambda: _raw(bwd, out, x, t, row, row[:2], s0, ignore_index=ig),
+                                      ignore_index=ig, num_classes=nc),
+        "stats_size": lambda: _raw(stats, (r4, r4, sds((3,), jnp.float32)), x, t, s0,
+                                   num_classes=nc),
+        "start_groups": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.zeros(3, jnp.int32),
+                                     num_classes=nc),
+        "start_dtype": lambda: _raw(stats, (r4, r4, r4), x, t, jnp.float32(0), num_classes=nc),
+        "num_classes": lambda: _raw(fwd, (r4, r4), x, t, ignore_index=ig, num_classes=np.int64(0)),
+        "g_size": lambda: _raw(bwd, out, x, t, row, row[:2], s0, ignore_index=ig, num_classes=nc),
         "dlogits_shape": lambda: _raw(bwd, sds((4, 9), jnp.float32), x, t, row, row, s0,
-                                      ignore_index=ig),
+                                      ignore_index=ig, num_classes=nc),
         "dlogits_dtype": lambda: _raw(bwd, sds((4, 8), jnp.bfloat16), x, t, row, row, s0,
-                                      ignore_index=ig),
+                                      ignore_index=ig, num_classes=nc),
     }
     with pytest.raises(Exception, match="blujax_cross_entropy_(fwd|stats|bwd)"):
         jax.block_until_ready(calls[case]())
@@ -408,7 +460,8 @@ def test_cuda_rejects_float64_buffers():
         r4 = jax.ShapeDtypeStruct((4,), jnp.float64)
         with pytest.raises(Exception, match="unsupported logits dtype float64"):
             jax.block_until_ready(_raw("blujax_cross_entropy_fwd", (r4, r4), x,
-                                       np.zeros(4, np.int32), ignore_index=np.int64(-1)))
+                                       np.zeros(4, np.int32), ignore_index=np.int64(-1),
+                                       num_classes=np.int64(8)))
 
 
 @pytest.mark.gpu

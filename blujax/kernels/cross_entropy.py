@@ -29,8 +29,9 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 _INT32 = np.iinfo(np.int32)
 
 
-def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1):
-    """Per-row loss logsumexp(logits[n]) - logits[n, targets[n]].
+def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
+                          num_classes: int | None = None):
+    """Per-row loss logsumexp(logits[n, :num_classes]) - logits[n, targets[n]].
 
     logits: [N, V] float32, bfloat16 or float64 (float64 on the CPU only). targets: [N] int32
     (int64 is accepted and narrowed without changing any row's outcome). Returns float32 [N]
@@ -40,27 +41,37 @@ def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1):
     that is not ignore_index gives NaN for its row, and a NaN gradient row; it is never used
     to index the logits.
 
+    num_classes (default V): only the first num_classes columns are classes. The rest (a
+    vocabulary padded to a multiple of 128 for the matrix units, say) are not read and get a
+    zero gradient, and a target >= num_classes is outside the vocabulary. This is the loss of
+    logits[:, :num_classes] without the copy that slice would make.
+
     The gradient is written into the logits' buffer (an XLA input/output alias): inside a jitted
     training step, where the logits are an intermediate that nothing reads after the backward,
     that saves a second [N, V] buffer. Where the logits are still needed (returned, read by a
     later op, or a non-donated argument of the jitted function) XLA copies them first, so the
     results are always correct; the copy costs one extra read and write of the logits.
     """
-    targets, ignore_index = _prepare("softmax_cross_entropy", logits, targets, ignore_index)
-    return _softmax_cross_entropy(logits, targets, ignore_index, True)
+    op = "softmax_cross_entropy"
+    targets, ignore_index = _prepare(op, logits, targets, ignore_index)
+    classes = _num_classes(op, num_classes, logits.shape[-1])
+    return _softmax_cross_entropy(logits, targets, ignore_index, classes, True)
 
 
-def _softmax_cross_entropy_unaliased(logits, targets, *, ignore_index: int = -1):
+def _softmax_cross_entropy_unaliased(logits, targets, *, ignore_index: int = -1,
+                                     num_classes: int | None = None):
     """softmax_cross_entropy whose gradient gets a buffer of its own (for the benchmarks).
 
     Same kernels and bytes; it only avoids the copy XLA inserts when the logits are a live,
     non-donated input of the jitted program, as they are in a benchmark but not in training.
     """
-    targets, ignore_index = _prepare("softmax_cross_entropy", logits, targets, ignore_index)
-    return _softmax_cross_entropy(logits, targets, ignore_index, False)
+    op = "softmax_cross_entropy"
+    targets, ignore_index = _prepare(op, logits, targets, ignore_index)
+    classes = _num_classes(op, num_classes, logits.shape[-1])
+    return _softmax_cross_entropy(logits, targets, ignore_index, classes, False)
 
 
-def cross_entropy_stats(logits, targets, *, vocab_start=0):
+def cross_entropy_stats(logits, targets, *, vocab_start=0, num_classes: int | None = None):
     """Per-row partial statistics of a slice of the vocabulary: (row_max, sum_exp, target_logit).
 
     logits: [N, V] holds classes [vocab_start, vocab_start + V) of a larger vocabulary;
@@ -79,7 +90,8 @@ def cross_entropy_stats(logits, targets, *, vocab_start=0):
         loss = lse - lax.psum(target_logit, "tensor")
 
     then set the loss of ignored rows to 0, and lse (hence the loss) of rows whose target is
-    outside the whole vocabulary to NaN. Each device's slice of the gradient is then
+    outside the whole vocabulary to NaN. num_classes (default: no limit) is the size of the
+    whole vocabulary: global columns from it on (padding) are left out of every statistic. Each device's slice of the gradient is then
     `cross_entropy_grad(logits, targets, lse, dloss, vocab_start=..., ignore_index=...)`.
     Not differentiable itself; `vocab_parallel_softmax_cross_entropy` is this recipe inside a
     custom_vjp.
@@ -87,16 +99,18 @@ def cross_entropy_stats(logits, targets, *, vocab_start=0):
     op = "cross_entropy_stats"
     targets, _ = _prepare(op, logits, targets, ignore_index=-1)
     start = _vocab_start(op, vocab_start)
-    return _stats_call(logits, targets, start)
+    return _stats_call(logits, targets, start, _num_classes(op, num_classes, None))
 
 
-def cross_entropy_grad(logits, targets, lse, g, *, vocab_start=0, ignore_index: int = -1):
+def cross_entropy_grad(logits, targets, lse, g, *, vocab_start=0, ignore_index: int = -1,
+                       num_classes: int | None = None):
     """dlogits = (exp(logits - lse) - onehot(targets - vocab_start)) * g[:, None], in one pass.
 
     logits: [N, V], classes [vocab_start, vocab_start + V) of the vocabulary; targets: [N]
     global class ids; lse: [N] the log-sum-exp over the whole vocabulary (a NaN row gives a
     NaN gradient row); g: [N] the loss cotangent; lse and g are float32 (float64 for float64
-    logits). Rows whose target equals ignore_index are zeros. Returns dlogits like logits,
+    logits). Rows whose target equals ignore_index are zeros, as are the columns of global
+    index num_classes and beyond (default: no limit). Returns dlogits like logits,
     written into the logits' buffer as `softmax_cross_entropy` describes.
     """
     op = "cross_entropy_grad"
@@ -107,22 +121,27 @@ def cross_entropy_grad(logits, targets, lse, g, *, vocab_start=0, ignore_index: 
             raise TypeError(f"{op}: {name} must be {want.dtype.name}{list(want.shape)} for "
                             f"{logits.dtype.name} logits, got {v.dtype.name}{list(v.shape)}")
     start = _vocab_start(op, vocab_start)
-    return _grad_call(logits, targets, lse, g, start, ignore_index)
+    return _grad_call(logits, targets, lse, g, start, ignore_index,
+                      _num_classes(op, num_classes, None))
 
 
-def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_index: int = -1):
+def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_index: int = -1,
+                                         num_classes: int | None = None):
     """`softmax_cross_entropy` of logits split along the vocabulary over `axis_name`.
 
     Call inside `shard_map`: device i of the axis holds logits[:, i * V : (i + 1) * V] as its
     [N, V] block; targets [N] are global ids, the same on every device of the axis. Returns
     the per-row loss [N], the same on every device of the axis (invariant over it), with the
     ignore_index and out-of-range rules of `softmax_cross_entropy` applied to the whole
-    vocabulary. Each device's block of the gradient stays on that device; the forward
+    vocabulary. num_classes (default: all columns of all devices) is the size of the real
+    vocabulary, the padded columns after it being left out as in `softmax_cross_entropy`.
+    Each device's block of the gradient stays on that device; the forward
     exchanges three [N] vectors (one pmax, two psums), the backward nothing.
     """
-    targets, ignore_index = _prepare("vocab_parallel_softmax_cross_entropy", logits, targets,
-                                     ignore_index)
-    return _vocab_parallel(logits, targets, ignore_index, axis_name)
+    op = "vocab_parallel_softmax_cross_entropy"
+    targets, ignore_index = _prepare(op, logits, targets, ignore_index)
+    return _vocab_parallel(logits, targets, ignore_index, axis_name,
+                           _num_classes(op, num_classes, None))
 
 
 # --- checks ---------------------------------------------------------------------------------------
@@ -167,6 +186,24 @@ def _check_ignore_index(op, ignore_index) -> int:
     return value
 
 
+# Stands for "no limit" in the kernels' num_classes attribute.
+_ALL_CLASSES = np.iinfo(np.int64).max
+
+
+def _num_classes(op, num_classes, vocab) -> int:
+    """num_classes as the kernels take it; None means every column (vocab, when known)."""
+    if num_classes is None:
+        return _ALL_CLASSES if vocab is None else vocab
+    try:
+        value = operator.index(num_classes)
+    except TypeError:
+        raise TypeError(f"{op}: num_classes must be a Python int, got {num_classes!r}") from None
+    if value < 1 or (vocab is not None and value > vocab):
+        bound = f"[1, {vocab}] (the logits' class axis)" if vocab is not None else ">= 1"
+        raise ValueError(f"{op}: num_classes must be in {bound}, got {value}")
+    return value
+
+
 def _vocab_start(op, vocab_start):
     """vocab_start as an int32 scalar array; Python ints are checked here."""
     if isinstance(vocab_start, (int, np.integer)):
@@ -202,75 +239,77 @@ def _stat_dtype(dtype):
 # vmap_method "broadcast_all": a batch axis is more rows (vocab_start then holds one value per
 # batch member, which the kernels accept).
 
-def _fwd_call(logits, targets, ignore_index):
+def _fwd_call(logits, targets, ignore_index, num_classes):
     logits, targets = match_vma(logits, targets)
     row = result_type(logits, logits.shape[:-1], _stat_dtype(logits.dtype))
     return jax.ffi.ffi_call(
         "blujax_cross_entropy_fwd", (row, row), vmap_method="broadcast_all",
-    )(logits, targets, ignore_index=np.int64(ignore_index))
+    )(logits, targets, ignore_index=np.int64(ignore_index), num_classes=np.int64(num_classes))
 
 
-def _stats_call(logits, targets, vocab_start):
+def _stats_call(logits, targets, vocab_start, num_classes):
     logits, targets, vocab_start = match_vma(logits, targets, vocab_start)
     row = result_type(logits, logits.shape[:-1], _stat_dtype(logits.dtype))
     return jax.ffi.ffi_call(
         "blujax_cross_entropy_stats", (row, row, row), vmap_method="broadcast_all",
-    )(logits, targets, vocab_start)
+    )(logits, targets, vocab_start, num_classes=np.int64(num_classes))
 
 
-def _grad_call(logits, targets, lse, g, vocab_start, ignore_index, alias=True):
+def _grad_call(logits, targets, lse, g, vocab_start, ignore_index, num_classes, alias=True):
     logits, targets, lse, g, vocab_start = match_vma(logits, targets, lse, g, vocab_start)
     # With alias, dlogits reuses the logits buffer; XLA inserts a copy first wherever the
     # logits are still live, so this is safe whoever else holds them.
     return jax.ffi.ffi_call(
         "blujax_cross_entropy_bwd", result_type(logits), vmap_method="broadcast_all",
         input_output_aliases={0: 0} if alias else None,
-    )(logits, targets, lse, g, vocab_start, ignore_index=np.int64(ignore_index))
+    )(logits, targets, lse, g, vocab_start, ignore_index=np.int64(ignore_index),
+      num_classes=np.int64(num_classes))
 
 
 # --- differentiable ops ---------------------------------------------------------------------------
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _softmax_cross_entropy(logits, targets, ignore_index, alias):
-    return _fwd_call(logits, targets, ignore_index)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _softmax_cross_entropy(logits, targets, ignore_index, num_classes, alias):
+    return _fwd_call(logits, targets, ignore_index, num_classes)[0]
 
 
-def _softmax_cross_entropy_fwd(logits, targets, ignore_index, alias):
-    loss, lse = _fwd_call(logits, targets, ignore_index)
+def _softmax_cross_entropy_fwd(logits, targets, ignore_index, num_classes, alias):
+    loss, lse = _fwd_call(logits, targets, ignore_index, num_classes)
     return loss, (logits, targets, lse)
 
 
-def _softmax_cross_entropy_bwd(ignore_index, alias, res, g):
+def _softmax_cross_entropy_bwd(ignore_index, num_classes, alias, res, g):
     logits, targets, lse = res
-    return _grad_call(logits, targets, lse, g, jnp.int32(0), ignore_index, alias), None
+    return _grad_call(logits, targets, lse, g, jnp.int32(0), ignore_index, num_classes,
+                      alias), None
 
 
 _softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _vocab_parallel(logits, targets, ignore_index, axis_name):
-    return _vocab_parallel_fwd(logits, targets, ignore_index, axis_name)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _vocab_parallel(logits, targets, ignore_index, axis_name, num_classes):
+    return _vocab_parallel_fwd(logits, targets, ignore_index, axis_name, num_classes)[0]
 
 
-def _vocab_parallel_fwd(logits, targets, ignore_index, axis_name):
+def _vocab_parallel_fwd(logits, targets, ignore_index, axis_name, num_classes):
     vocab = logits.shape[-1]
     start = jax.lax.axis_index(axis_name).astype(jnp.int32) * vocab
-    row_max, sum_exp, target_logit = _stats_call(logits, targets, start)
+    row_max, sum_exp, target_logit = _stats_call(logits, targets, start, num_classes)
     m = jax.lax.pmax(row_max, axis_name)
     lse = m + jnp.log(jax.lax.psum(sum_exp * jnp.exp(row_max - m), axis_name))
     picked = jax.lax.psum(target_logit, axis_name)
     # targets are the same on every device of the axis, so these masks and the loss are too.
     ignored = targets == ignore_index
-    known = (targets >= 0) & (targets < vocab * jax.lax.axis_size(axis_name))
+    known = (targets >= 0) & (targets < min(vocab * jax.lax.axis_size(axis_name), num_classes))
     lse = jnp.where(known | ignored, lse, jnp.nan)  # NaN loss and NaN gradient rows
     loss = jnp.where(ignored, 0, lse - picked)
     return loss, (logits, targets, lse, start)
 
 
-def _vocab_parallel_bwd(ignore_index, axis_name, res, g):
+def _vocab_parallel_bwd(ignore_index, axis_name, num_classes, res, g):
     logits, targets, lse, start = res
-    return _grad_call(logits, targets, lse, g, start, ignore_index), None
+    return _grad_call(logits, targets, lse, g, start, ignore_index, num_classes), None
 
 
 _vocab_parallel.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)

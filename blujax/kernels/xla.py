@@ -66,12 +66,16 @@ def gelu(x, bias=None):
     return jax.nn.gelu(v, approximate=True).astype(x.dtype)
 
 
-def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1):
-    """Per-row logsumexp(logits[n]) - logits[n, targets[n]], float32 (float64 for float64).
+def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
+                          num_classes: int | None = None):
+    """Per-row logsumexp(logits[n]) - logits[n, targets[n]], float32 (float64 for float64),
+    over the first num_classes columns (default: all).
 
-    Rows whose target is ignore_index give 0 and no gradient; other targets outside [0, V)
-    give NaN, and a NaN gradient row.
+    Rows whose target is ignore_index give 0 and no gradient; other targets outside
+    [0, num_classes) give NaN, and a NaN gradient row.
     """
+    if num_classes is not None:
+        logits = logits[:, :num_classes]
     x = logits.astype(_compute_dtype(logits.dtype))
     lse = jax.nn.logsumexp(x, axis=-1)
     ignored = targets == ignore_index

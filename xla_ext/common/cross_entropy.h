@@ -20,6 +20,10 @@
 //   logits[target - vocab_start] when that is in [0, V), else 0. The log-sum-exp over a
 //   vocabulary split over devices is M + log(sum_i sum_exp_i * exp(row_max_i - M)) with M the
 //   largest row_max.
+// Attribute num_classes (all three): only global columns vocab_start + c < num_classes are
+//   classes; the rest (a vocabulary padded for the matrix units) are not read by fwd and stats
+//   and get a zero gradient from bwd, and a target >= num_classes is outside the vocabulary.
+//   ValidColumns gives a row's count of such columns.
 // bwd (attribute ignore_index): dlogits = (exp(logits - lse) - [c == target - vocab_start]) * g;
 //   rows whose target == ignore_index are zeros (ignore_index is compared with the target as
 //   given, before vocab_start is subtracted).
@@ -87,6 +91,19 @@ inline ffi::Error CheckVocabStart(const char* op, const ffi::AnyBuffer& vocab_st
                            "; it must hold one value, or one per equal group of the ", shape.rows,
                            " rows");
   *rows_per_start = shape.rows > 0 ? shape.rows / k : 1;
+  return ffi::Error::Success();
+}
+
+// The number of leading columns of a row (of `vocab`, starting at global class `vocab_start`)
+// that are classes, i.e. below num_classes.
+inline int64_t ValidColumns(int64_t num_classes, int64_t vocab_start, int64_t vocab) {
+  const int64_t n = num_classes - vocab_start;
+  return n < 0 ? 0 : (n > vocab ? vocab : n);
+}
+
+inline ffi::Error CheckNumClasses(const char* op, int64_t num_classes) {
+  if (num_classes < 1)
+    return InvalidArgument(op, ": num_classes must be >= 1, got ", num_classes);
   return ffi::Error::Success();
 }
 

@@ -45,9 +45,11 @@ void RowMaxSum(const T* row, int64_t vocab, Stat<T>* max_out, Stat<T>* sum_out) 
 
 template <typename T>
 void CrossEntropyFwdRows(const T* logits, const int32_t* targets, Stat<T>* loss, Stat<T>* lse,
-                         CrossEntropyShape shape, int64_t ignore_index, int64_t r0, int64_t r1) {
+                         CrossEntropyShape shape, int64_t ignore_index, int64_t num_classes,
+                         int64_t r0, int64_t r1) {
   using S = Stat<T>;
   const S nan = std::numeric_limits<S>::quiet_NaN();
+  const int64_t cols = ValidColumns(num_classes, 0, shape.vocab);
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t t = targets[r];
     if (t == ignore_index) {  // no gradient either, so the row is not even read
@@ -55,14 +57,14 @@ void CrossEntropyFwdRows(const T* logits, const int32_t* targets, Stat<T>* loss,
       lse[r] = 0;
       continue;
     }
-    if (t < 0 || t >= shape.vocab) {
+    if (t < 0 || t >= cols) {
       loss[r] = nan;
       lse[r] = nan;
       continue;
     }
     const T* row = logits + r * shape.vocab;
     S m, s;
-    RowMaxSum(row, shape.vocab, &m, &s);
+    RowMaxSum(row, cols, &m, &s);
     lse[r] = m + std::log(s);
     loss[r] = lse[r] - Load(row, t);
   }
@@ -72,12 +74,14 @@ template <typename T>
 void CrossEntropyStatsRows(const T* logits, const int32_t* targets, const int32_t* vocab_start,
                            int64_t rows_per_start,
                            Stat<T>* row_max, Stat<T>* sum_exp, Stat<T>* target_logit,
-                           CrossEntropyShape shape, int64_t r0, int64_t r1) {
+                           CrossEntropyShape shape, int64_t num_classes, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* row = logits + r * shape.vocab;
-    RowMaxSum(row, shape.vocab, &row_max[r], &sum_exp[r]);
-    const int64_t local = int64_t{targets[r]} - vocab_start[r / rows_per_start];
-    target_logit[r] = local >= 0 && local < shape.vocab ? Load(row, local) : Stat<T>(0);
+    const int64_t start = vocab_start[r / rows_per_start];
+    const int64_t cols = ValidColumns(num_classes, start, shape.vocab);
+    RowMaxSum(row, cols, &row_max[r], &sum_exp[r]);
+    const int64_t local = int64_t{targets[r]} - start;
+    target_logit[r] = local >= 0 && local < cols ? Load(row, local) : Stat<T>(0);
   }
 }
 
@@ -85,8 +89,8 @@ void CrossEntropyStatsRows(const T* logits, const int32_t* targets, const int32_
 template <typename T>
 void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>* lse,
                          const Stat<T>* g, const int32_t* vocab_start, int64_t rows_per_start,
-                         T* dlogits,
-                         CrossEntropyShape shape, int64_t ignore_index, int64_t r0, int64_t r1) {
+                         T* dlogits, CrossEntropyShape shape, int64_t ignore_index,
+                         int64_t num_classes, int64_t r0, int64_t r1) {
   using S = Stat<T>;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t off = r * shape.vocab;
@@ -94,20 +98,24 @@ void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>*
       for (int64_t c = 0; c < shape.vocab; ++c) Store(dlogits, off + c, S(0));
       continue;
     }
-    // May be outside [0, V): then no class of this row is the target.
-    const int64_t local = int64_t{targets[r]} - vocab_start[r / rows_per_start];
+    // May be outside [0, cols): then no class of this row is the target.
+    const int64_t start = vocab_start[r / rows_per_start];
+    const int64_t local = int64_t{targets[r]} - start;
+    const int64_t cols = ValidColumns(num_classes, start, shape.vocab);
     const S l = lse[r], gr = g[r];
-    for (int64_t c = 0; c < shape.vocab; ++c) {
+    for (int64_t c = 0; c < cols; ++c) {
       const S p = std::exp(Load(logits, off + c) - l);
       Store(dlogits, off + c, (p - (c == local ? S(1) : S(0))) * gr);
     }
+    for (int64_t c = cols; c < shape.vocab; ++c) Store(dlogits, off + c, S(0));
   }
 }
 
 ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
                            ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                           int64_t ignore_index) {
+                           int64_t ignore_index, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_fwd";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
@@ -117,7 +125,7 @@ ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
     using T = decltype(tag);
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
       CrossEntropyFwdRows<T>(In<T>(logits), In<int32_t>(targets), Out<Stat<T>>(loss),
-                             Out<Stat<T>>(lse), shape, ignore_index, r0, r1);
+                             Out<Stat<T>>(lse), shape, ignore_index, num_classes, r0, r1);
     });
   });
 }
@@ -125,8 +133,9 @@ ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
 ffi::Error CrossEntropyStats(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
                              ffi::AnyBuffer vocab_start, ffi::Result<ffi::AnyBuffer> row_max,
                              ffi::Result<ffi::AnyBuffer> sum_exp,
-                             ffi::Result<ffi::AnyBuffer> target_logit) {
+                             ffi::Result<ffi::AnyBuffer> target_logit, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_stats";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
@@ -141,15 +150,17 @@ ffi::Error CrossEntropyStats(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::A
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
       CrossEntropyStatsRows<T>(In<T>(logits), In<int32_t>(targets), In<int32_t>(vocab_start),
                                rows_per_start, Out<Stat<T>>(row_max), Out<Stat<T>>(sum_exp),
-                               Out<Stat<T>>(target_logit), shape, r0, r1);
+                               Out<Stat<T>>(target_logit), shape, num_classes, r0, r1);
     });
   });
 }
 
 ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::AnyBuffer lse,
                            ffi::AnyBuffer g, ffi::AnyBuffer vocab_start,
-                           ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index) {
+                           ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
+                           int64_t num_classes) {
   const char* op = "blujax_cross_entropy_bwd";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
@@ -163,7 +174,7 @@ ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
       CrossEntropyBwdRows<T>(In<T>(logits), In<int32_t>(targets), In<Stat<T>>(lse),
                              In<Stat<T>>(g), In<int32_t>(vocab_start), rows_per_start,
-                             Out<T>(dlogits), shape, ignore_index, r0, r1);
+                             Out<T>(dlogits), shape, ignore_index, num_classes, r0, r1);
     });
   });
 }
@@ -177,7 +188,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
                            .Arg<ffi::AnyBuffer>()   // targets [...] int32
                            .Ret<ffi::AnyBuffer>()   // loss [...]
                            .Ret<ffi::AnyBuffer>()   // lse [...]
-                           .Attr<int64_t>("ignore_index"));
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"));
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
                        ffi::Ffi::Bind()
@@ -187,7 +199,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
                            .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
                            .Ret<ffi::AnyBuffer>()   // row_max [...]
                            .Ret<ffi::AnyBuffer>()   // sum_exp [...]
-                           .Ret<ffi::AnyBuffer>()); // target_logit [...]
+                           .Ret<ffi::AnyBuffer>()   // target_logit [...]
+                           .Attr<int64_t>("num_classes"));
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                        ffi::Ffi::Bind()
@@ -198,7 +211,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                            .Arg<ffi::AnyBuffer>()   // g [...], the loss cotangent
                            .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
                            .Ret<ffi::AnyBuffer>()   // dlogits [..., V], may alias logits
-                           .Attr<int64_t>("ignore_index"));
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"));
 
 BLUJAX_REGISTER(blujax_cross_entropy_fwd, kCrossEntropyFwd);
 BLUJAX_REGISTER(blujax_cross_entropy_stats, kCrossEntropyStats);

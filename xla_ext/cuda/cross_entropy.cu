@@ -177,7 +177,16 @@ struct FwdArgs {
   int64_t rows;
   int vocab;
   int64_t ignore_index;
+  int64_t num_classes;
 };
+
+// This row's count of leading columns that are classes (common/cross_entropy.h).
+__device__ __forceinline__ int RowColumns(int64_t num_classes, const int32_t* vocab_start,
+                                          int64_t rows_per_start, int64_t r, int vocab) {
+  const int64_t start = vocab_start ? vocab_start[r / rows_per_start] : 0;
+  const int64_t n = num_classes - start;
+  return static_cast<int>(n < 0 ? 0 : (n > vocab ? vocab : n));
+}
 
 // kStats = false: blujax_cross_entropy_fwd (loss, lse); true: blujax_cross_entropy_stats.
 template <typename T, int kGroup, bool kStats>
@@ -194,10 +203,11 @@ CrossEntropyFwdKernel(const T* __restrict__ logits, FwdArgs a) {
     if (r >= a.rows) continue;  // only in warp-per-row blocks, which never synchronise
     const T* row = logits + r * a.vocab;
     const int64_t target = a.targets[r];
+    const int cols = RowColumns(a.num_classes, a.vocab_start, a.rows_per_start, r, a.vocab);
     if constexpr (!kStats) {
       // Ignored rows have no loss and no gradient, so they are not read; unknown targets NaN.
       const bool ignored = target == a.ignore_index;
-      if (ignored || target < 0 || target >= a.vocab) {
+      if (ignored || target < 0 || target >= cols) {
         if (lane == 0) {
           a.out0[r] = ignored ? 0.f : NAN;
           a.out1[r] = ignored ? 0.f : NAN;
@@ -205,14 +215,14 @@ CrossEntropyFwdKernel(const T* __restrict__ logits, FwdArgs a) {
         continue;
       }
     }
-    MaxSum acc = RowMaxSum<T, kGroup>(row, a.vocab, lane);
+    MaxSum acc = RowMaxSum<T, kGroup>(row, cols, lane);
     GroupMaxSum<kGroup>(acc, red);
     if (lane == 0) {
       if constexpr (kStats) {
         const int64_t local = target - a.vocab_start[r / a.rows_per_start];
         a.out0[r] = acc.m;
         a.out1[r] = acc.s;
-        a.out2[r] = local >= 0 && local < a.vocab ? ToFloat(row[local]) : 0.f;
+        a.out2[r] = local >= 0 && local < cols ? ToFloat(row[local]) : 0.f;
       } else {
         const float lse = acc.m + __logf(acc.s);
         a.out0[r] = lse - ToFloat(row[target]);
@@ -231,6 +241,7 @@ struct BwdArgs {
   int64_t rows;
   int vocab;
   int64_t ignore_index;
+  int64_t num_classes;
 };
 
 // dlogits = (exp(x - lse) - [c == target]) * g, one read and one write per element. `logits`
@@ -261,10 +272,13 @@ CrossEntropyBwdKernel(const T* logits, T* dlogits, BwdArgs a) {
     // The target's column relative to the first pack; INT_MIN (no column) when the target is
     // not in this row's slice of the vocabulary.
     const int64_t local = target - a.vocab_start[r / a.rows_per_start];
-    const int col = local >= 0 && local < a.vocab ? static_cast<int>(local) - split.head : INT_MIN;
+    const int cols = RowColumns(a.num_classes, a.vocab_start, a.rows_per_start, r, a.vocab);
+    const int col = local >= 0 && local < cols ? static_cast<int>(local) - split.head : INT_MIN;
+    // Columns from `end` on (relative to the first pack, as c is) are not classes: zero.
+    const int end = cols - split.head;
     const float g = a.g[r], lse = a.lse[r];
     auto grad = [&](float x, int c) {
-      return (exp2f((x - lse) * kLog2e) - (c == col ? 1.f : 0.f)) * g;
+      return c < end ? (exp2f((x - lse) * kLog2e) - (c == col ? 1.f : 0.f)) * g : 0.f;
     };
     for (int p0 = lane; p0 < split.packs; p0 += kUnroll * kGroup) {
       RawPack<T> raw[kUnroll];
@@ -340,8 +354,10 @@ template <typename T> const T* In(const ffi::AnyBuffer& b) {
 
 ffi::Error CrossEntropyFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer logits,
                            ffi::AnyBuffer targets, ffi::Result<ffi::AnyBuffer> loss,
-                           ffi::Result<ffi::AnyBuffer> lse, int64_t ignore_index) {
+                           ffi::Result<ffi::AnyBuffer> lse, int64_t ignore_index,
+                           int64_t num_classes) {
   const char* op = "blujax_cross_entropy_fwd";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
@@ -349,7 +365,7 @@ ffi::Error CrossEntropyFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", *lse, logits, shape));
   if (shape.rows == 0) return ffi::Error::Success();
   const FwdArgs args{In<int32_t>(targets), nullptr, 1, RowOut(loss), RowOut(lse), nullptr,
-                     shape.rows, static_cast<int>(shape.vocab), ignore_index};
+                     shape.rows, static_cast<int>(shape.vocab), ignore_index, num_classes};
   if (logits.element_type() == ffi::DataType::F32)
     LaunchFwd<float, false>(stream, device, logits.untyped_data(), args);
   else
@@ -361,8 +377,9 @@ ffi::Error CrossEntropyStats(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::AnyBuffer targets, ffi::AnyBuffer vocab_start,
                              ffi::Result<ffi::AnyBuffer> row_max,
                              ffi::Result<ffi::AnyBuffer> sum_exp,
-                             ffi::Result<ffi::AnyBuffer> target_logit) {
+                             ffi::Result<ffi::AnyBuffer> target_logit, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_stats";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   int64_t rows_per_start = 1;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
@@ -375,7 +392,7 @@ ffi::Error CrossEntropyStats(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   if (shape.rows == 0) return ffi::Error::Success();
   const FwdArgs args{In<int32_t>(targets), In<int32_t>(vocab_start), rows_per_start,
                      RowOut(row_max), RowOut(sum_exp), RowOut(target_logit), shape.rows,
-                     static_cast<int>(shape.vocab), 0};
+                     static_cast<int>(shape.vocab), 0, num_classes};
   if (logits.element_type() == ffi::DataType::F32)
     LaunchFwd<float, true>(stream, device, logits.untyped_data(), args);
   else
@@ -386,8 +403,9 @@ ffi::Error CrossEntropyStats(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 ffi::Error CrossEntropyBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer logits,
                            ffi::AnyBuffer targets, ffi::AnyBuffer lse, ffi::AnyBuffer g,
                            ffi::AnyBuffer vocab_start, ffi::Result<ffi::AnyBuffer> dlogits,
-                           int64_t ignore_index) {
+                           int64_t ignore_index, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_bwd";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   int64_t rows_per_start = 1;
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
@@ -398,7 +416,8 @@ ffi::Error CrossEntropyBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
   if (shape.rows == 0) return ffi::Error::Success();
   const BwdArgs args{In<int32_t>(targets), In<float>(lse), In<float>(g), In<int32_t>(vocab_start),
-                     rows_per_start, shape.rows, static_cast<int>(shape.vocab), ignore_index};
+                     rows_per_start, shape.rows, static_cast<int>(shape.vocab), ignore_index,
+                     num_classes};
   if (logits.element_type() == ffi::DataType::F32)
     LaunchBwd<float>(stream, device, logits.untyped_data(), dlogits->untyped_data(), args);
   else
@@ -418,7 +437,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
                            .Arg<ffi::AnyBuffer>()   // targets [...] int32
                            .Ret<ffi::AnyBuffer>()   // loss [...] f32
                            .Ret<ffi::AnyBuffer>()   // lse [...] f32
-                           .Attr<int64_t>("ignore_index"),
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"),
                        kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
@@ -430,7 +450,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyStats, CrossEntropyStats,
                            .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
                            .Ret<ffi::AnyBuffer>()   // row_max [...] f32
                            .Ret<ffi::AnyBuffer>()   // sum_exp [...] f32
-                           .Ret<ffi::AnyBuffer>(),  // target_logit [...] f32
+                           .Ret<ffi::AnyBuffer>()   // target_logit [...] f32
+                           .Attr<int64_t>("num_classes"),
                        kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
@@ -443,7 +464,8 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                            .Arg<ffi::AnyBuffer>()   // g [...] f32, the loss cotangent
                            .Arg<ffi::AnyBuffer>()   // vocab_start [] or [K] int32
                            .Ret<ffi::AnyBuffer>()   // dlogits [..., V], may alias logits
-                           .Attr<int64_t>("ignore_index"),
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"),
                        kGraphSafe);
 
 BLUJAX_REGISTER(blujax_cross_entropy_fwd, kCrossEntropyFwd);
