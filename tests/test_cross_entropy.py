@@ -281,13 +281,19 @@ def test_vocab_start_may_be_traced(rng):
         np.testing.assert_array_equal(np.asarray(f(x, t, jnp.int32(start))), want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_vocab_parallel_shard_map(rng, dtype):
+def _data_tensor_mesh():
+    """A ("data", "tensor") mesh over the test devices, "tensor" 4 wide where they allow."""
     devices = mesh_devices()
     tp = 4 if len(devices) % 4 == 0 else 1
     mesh = jax.make_mesh((len(devices) // tp, tp), ("data", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
-    n, v = 3 * (len(devices) // tp), 250 * tp
+    return mesh, tp
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_vocab_parallel_shard_map(rng, dtype):
+    mesh, tp = _data_tensor_mesh()
+    n, v = 3 * (mesh.size // tp), 250 * tp
     x, t = _logits(rng, n, v, dtype), _targets(rng, n, v, ignore_index=5)
     ct = randn(rng, (n,), jnp.float32)
 
@@ -328,11 +334,8 @@ def test_num_classes_leaves_out_padding(rng, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_vocab_parallel_num_classes(rng, dtype):
     """A padded vocabulary split over "tensor": the last device holds real and padded columns."""
-    devices = mesh_devices()
-    tp = 4 if len(devices) % 4 == 0 else 1
-    mesh = jax.make_mesh((len(devices) // tp, tp), ("data", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
-    n, v = 3 * (len(devices) // tp), 128 * tp
+    mesh, tp = _data_tensor_mesh()
+    n, v = 3 * (mesh.size // tp), 128 * tp
     k = v - 77 if tp > 1 else v - 5
     x, t = _logits(rng, n, v, dtype), _targets(rng, n, k)
     ct = randn(rng, (n,), jnp.float32)
