@@ -159,7 +159,8 @@ def flop_table(rows: list[dict]) -> str:
                          if n + "_tflops" in r else f"{n} skipped" for n in names) or "-"
 
     def num(r, key, fmt):
-        return format(r[key], fmt) if key in r else "-"
+        impl = key.rsplit("_", 1)[0]
+        return format(r[key], fmt) if key in r else "skipped" if impl + "_skipped" in r else "-"
 
     lines = [
         "| op | dir | shape | dtype | ours / XLA | ours TFLOP/s | XLA TFLOP/s | others TFLOP/s "
