@@ -1,4 +1,5 @@
-"""Timing for the kernel benchmarks: bytes moved over time, against measured copy bandwidth.
+"""Timing for the kernel benchmarks: bytes moved over time, against measured copy bandwidth
+(or, for a compute-bound op such as attention, floating-point operations over time).
 
 Method: one jitted program runs the op on 4 to 32 distinct input sets, together far larger
 than the L2 cache (so memory, not cache, is measured). One sample is the wall time of 4 such
@@ -28,6 +29,12 @@ class Case:
     train step donates its state (for ops that update buffers in place); fn should then return
     its outputs in the order of the inputs they replace, since JAX pairs donated inputs with
     outputs of the same shape and dtype in order.
+
+    flops: for a compute-bound op, the floating-point operations of one call; the row then
+    reports TFLOP/s and goes to a table of its own. optional: impls that may be unavailable
+    on this device or too large for it (cuDNN on a CPU, a jnp spec that materialises
+    [T, T]); their failure is noted in the row instead of dropping the case. calls: input
+    sets per timed program, where the default (enough to overflow L2) would be wasteful.
     """
 
     op: str
@@ -38,6 +45,9 @@ class Case:
     make: Callable[[str, jax.Array], tuple[Callable, tuple]]
     impls: Sequence[str] = ("ours", "xla")
     donate: bool = False
+    flops: int = 0
+    optional: Sequence[str] = ()
+    calls: int | None = None
 
 
 def time_op(fn, make_args, bytes_per_call: int, samples: int = 7, calls: int | None = None,
@@ -91,27 +101,42 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 def run_case(case: Case, copy_bw: float, seed: int = 0) -> dict:
     row = dict(op=case.op, direction=case.direction, shape=case.shape, dtype=case.dtype,
                bytes=case.bytes)
+    if case.flops:
+        row["flops"] = case.flops
     for impl in case.impls:
-        fn, _ = case.make(impl, jax.random.key(seed))
-        seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1], case.bytes,
-                          donate=case.donate)
+        try:
+            fn, _ = case.make(impl, jax.random.key(seed))
+            seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1],
+                              case.bytes, calls=case.calls, donate=case.donate)
+        except Exception as e:  # noqa: BLE001 - any failure of an optional contender is a note
+            if impl not in case.optional:
+                raise
+            row[f"{impl}_skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
         row[f"{impl}_us"] = seconds * 1e6
         row[f"{impl}_gbs"] = case.bytes / seconds / 1e9
         row[f"{impl}_copy_frac"] = case.bytes / seconds / copy_bw
-    if "xla" in case.impls:
+        if case.flops:
+            row[f"{impl}_tflops"] = case.flops / seconds / 1e12
+    if "xla_us" in row and "ours_us" in row:
         row["speedup_vs_xla"] = row["xla_us"] / row["ours_us"]
     return row
 
 
 def table(rows: list[dict], copy_bw: float) -> str:
-    """A markdown table, ratios first."""
+    """A markdown table, ratios first; compute-bound rows (with flops) in a second table."""
+    flop_rows = [r for r in rows if r.get("flops")]
+    rows = [r for r in rows if not r.get("flops")]
     lines = [
         f"copy bandwidth (scale op, read + write): {copy_bw / 1e9:.0f} GB/s",
-        "",
-        "| op | dir | rows x C | dtype | ours / XLA | ours % copy | XLA % copy | ours GB/s | "
-        "XLA GB/s | ours us | XLA us |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if rows or not flop_rows:
+        lines += [
+            "",
+            "| op | dir | rows x C | dtype | ours / XLA | ours % copy | XLA % copy | ours GB/s | "
+            "XLA GB/s | ours us | XLA us |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         lines.append(
             f"| {r['op']} | {r['direction']} | {r['shape']} | {r['dtype']} | "
@@ -119,6 +144,35 @@ def table(rows: list[dict], copy_bw: float) -> str:
             f"{100 * r.get('xla_copy_frac', float('nan')):.0f}% | {r['ours_gbs']:.0f} | "
             f"{r.get('xla_gbs', float('nan')):.0f} | {r['ours_us']:.1f} | "
             f"{r.get('xla_us', float('nan')):.1f} |"
+        )
+    if flop_rows:
+        lines += ["", flop_table(flop_rows)]
+    return "\n".join(lines)
+
+
+def flop_table(rows: list[dict]) -> str:
+    """Compute-bound rows: TFLOP/s of ours, XLA and any other contender (e.g. cuDNN)."""
+    def others(r):
+        names = sorted({k[:-3] for k in r if k.endswith("_us")} - {"ours", "xla"}
+                       | {k[:-8] for k in r if k.endswith("_skipped")} - {"ours", "xla"})
+        return ", ".join(f"{n} {r[n + '_tflops']:.4g} ({r[n + '_us'] / r['ours_us']:.2f}x)"
+                         if n + "_tflops" in r else f"{n} skipped" for n in names) or "-"
+
+    def num(r, key, fmt):
+        impl = key.rsplit("_", 1)[0]
+        return format(r[key], fmt) if key in r else "skipped" if impl + "_skipped" in r else "-"
+
+    lines = [
+        "| op | dir | shape | dtype | ours / XLA | ours TFLOP/s | XLA TFLOP/s | others TFLOP/s "
+        "(ours / them) | ours us | XLA us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speedup = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else "-"
+        lines.append(
+            f"| {r['op']} | {r['direction']} | {r['shape']} | {r['dtype']} | {speedup} | "
+            f"{num(r, 'ours_tflops', '.4g')} | {num(r, 'xla_tflops', '.4g')} | {others(r)} | "
+            f"{num(r, 'ours_us', '.1f')} | {num(r, 'xla_us', '.1f')} |"
         )
     return "\n".join(lines)
 

@@ -1,11 +1,14 @@
 """blujax.kernels.attention / attention_with_lse against the jnp spec (blujax.kernels.xla).
 
-There is no CUDA kernel yet: on a GPU machine the op must refuse to run on the GPU
-(test_gpu_has_no_kernel_yet), and the other tests run the CPU kernels on the CPU device. When
-xla_ext/cuda/attention.cu lands, drop `_cpu_until_cuda_kernel` and they test it instead.
+The same tests run the CUDA kernels when JAX runs on a GPU and the CPU kernels otherwise. The
+GPU has kernels for head sizes 64 and 128 only; cases with other head sizes run on the CPU
+device (`_device_for`), whose kernels take any D. Tests marked gpu need a GPU: very long
+sequences, grids with more than 65535 (batch, head) pairs, the GPU's head-size check.
 """
 
+import contextlib
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -16,27 +19,35 @@ from jax.test_util import check_grads
 
 from blujax import kernels as ops
 from blujax.kernels import xla as spec
+from blujax.kernels.attention import GPU_HEAD_DIMS
 from tests.conftest import ON_GPU
-from tests.util import assert_close, cpu_float64, randn
+from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-# (Tq, Tk, causal, D): lengths that are not multiples of the kernel's blocks (32 queries,
-# 64 keys), one-token sequences, and Tq != Tk in both directions for the non-causal form.
+# (Tq, Tk, causal, D). The GPU's tiles are 16 to 64 rows; the lengths are not multiples of
+# them (one-token sequences, a partial last tile, a causal diagonal inside a tile) or are
+# exact multiples; the non-causal form has Tq != Tk both ways.
 CASES = [
-    (1, 1, True, 16), (17, 17, True, 16), (17, 17, False, 64), (128, 128, True, 64),
-    (128, 128, False, 16), (5, 70, False, 16), (70, 5, False, 64), (1, 33, False, 64),
+    (1, 1, True, 64), (17, 17, True, 64), (17, 17, False, 128), (128, 128, True, 128),
+    (5, 70, False, 64), (70, 5, False, 128), (1, 33, False, 64), (67, 67, True, 128),
+    (130, 200, False, 64),
+    # A head size without a GPU kernel: the CPU kernels take any D (run on the CPU device).
     (67, 67, True, 5),
+]
+# Long sequences (one (batch, head) pair fewer, to keep the CPU's share short); the last is
+# left to the GPU, where it costs nothing.
+LONG_CASES = [
+    (1000, 1000, True, 64), (1024, 1024, False, 128),
+    pytest.param(1000, 1024, False, 64, marks=pytest.mark.gpu),
 ]
 B, H = 2, 3
 
 
-@pytest.fixture(autouse=True)
-def _cpu_until_cuda_kernel(request):
-    if ON_GPU and "gpu" not in request.keywords:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
-    else:
-        yield
+def _device_for(d):
+    """Head sizes the GPU has no kernel for run on the CPU kernels."""
+    if ON_GPU and d not in GPU_HEAD_DIMS:
+        return jax.default_device(jax.devices("cpu")[0])
+    return contextlib.nullcontext()
 
 
 def _qkv(rng, tq, tk, d, dtype, b=B, h=H):
@@ -60,17 +71,15 @@ def _values_and_grads(fn, causal, q, k, v, ct_out, ct_lse):
     return out, lse, grads
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("tq,tk,causal,d", CASES, ids=str)
-def test_values_and_grads(rng, tq, tk, causal, d, dtype):
-    q, k, v = _qkv(rng, tq, tk, d, dtype)
+def _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=B, h=H):
+    q, k, v = _qkv(rng, tq, tk, d, dtype, b=b, h=h)
     ct_out = randn(rng, q.shape, jnp.float32)
-    ct_lse = randn(rng, (B, H, tq), jnp.float32)
+    ct_lse = randn(rng, (b, h, tq), jnp.float32)
     out, lse, got = _values_and_grads(ops.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
     out_ref, lse_ref, want = _values_and_grads(spec.attention_with_lse, causal, q, k, v, ct_out,
                                                ct_lse)
     assert out.dtype == dtype and out.shape == q.shape
-    assert lse.dtype == jnp.float32 and lse.shape == (B, H, tq)
+    assert lse.dtype == jnp.float32 and lse.shape == (b, h, tq)
     assert_close(out, out_ref, dtype)
     assert_close(lse, lse_ref, jnp.float32, factor=5)
     np.testing.assert_array_equal(ops.attention(q, k, v, causal=causal), out)
@@ -79,11 +88,24 @@ def test_values_and_grads(rng, tq, tk, causal, d, dtype):
         assert_close(g, r, dtype, factor=2 if dtype == jnp.bfloat16 else 5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tq,tk,causal,d", CASES, ids=str)
+def test_values_and_grads(rng, tq, tk, causal, d, dtype):
+    with _device_for(d):
+        _check_values_and_grads(rng, tq, tk, causal, d, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tq,tk,causal,d", LONG_CASES, ids=str)
+def test_long_sequences(rng, tq, tk, causal, d, dtype):
+    _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=1, h=2)
+
+
 def test_scale_is_used(rng):
-    # 150 keys span three key blocks; with scale 3 the scores reach about +-30, so the running
+    # 150 keys span three key blocks; with scale 1 the scores reach about +-30, so the running
     # max grows from block to block and the online softmax has to rescale what it summed.
-    q, k, v = _qkv(rng, 150, 150, 8, jnp.float32)
-    for scale in (0.05, 1.0, 3.0):
+    q, k, v = _qkv(rng, 150, 150, 64, jnp.float32)
+    for scale in (0.05, 0.3, 1.0):
         for causal in (True, False):
             got = ops.attention_with_lse(q, k, v, causal=causal, scale=scale)
             want = spec.attention_with_lse(q, k, v, causal=causal, scale=scale)
@@ -105,7 +127,7 @@ def test_check_grads_float64(rng, tq, tk, causal):
 
 
 def test_jit_and_remat(rng):
-    q, k, v = _qkv(rng, 40, 40, 16, jnp.float32)
+    q, k, v = _qkv(rng, 40, 40, 64, jnp.float32)
 
     def model(attn, q, k, v):
         # Two layers deep, as in a transformer: the second attends with the first's output.
@@ -125,9 +147,9 @@ def test_jit_and_remat(rng):
 
 def test_vmap(rng):
     # An extra leading axis (say microbatches): one kernel call per member.
-    q = randn(rng, (3, 2, 9, 2, 8), jnp.float32)
-    k = randn(rng, (3, 2, 12, 2, 8), jnp.float32)
-    v = randn(rng, (3, 2, 12, 2, 8), jnp.float32)
+    q = randn(rng, (3, 2, 9, 2, 64), jnp.float32)
+    k = randn(rng, (3, 2, 12, 2, 64), jnp.float32)
+    v = randn(rng, (3, 2, 12, 2, 64), jnp.float32)
     f = functools.partial(ops.attention_with_lse, causal=False)
     f_ref = functools.partial(spec.attention_with_lse, causal=False)
     for a, b in zip(jax.jit(jax.vmap(f))(q, k, v), jax.jit(jax.vmap(f_ref))(q, k, v)):
@@ -140,12 +162,12 @@ def test_vmap(rng):
 
 
 def test_shard_map_over_heads(rng):
-    devices = jax.devices("cpu") if ON_GPU else jax.devices()
+    devices = mesh_devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices)
-    q, k, v = _qkv(rng, 19, 19, 16, jnp.float32, b=2, h=n)
-    ct_lse = randn(rng, (2, n, 19), jnp.float32)
+    q, k, v = _qkv(rng, 19, 19, 64, jnp.float32, b=2, h=2 * n)
+    ct_lse = randn(rng, (2, 2 * n, 19), jnp.float32)
 
     def loss(op, q, k, v, ct_lse):
         out, lse = op(q, k, v)
@@ -173,15 +195,15 @@ def test_shard_map_over_heads(rng):
 # --- errors a user can act on, at trace time ----------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors(rng):
-    q, k, v = _qkv(rng, 6, 6, 8, jnp.float32)
+    q, k, v = _qkv(rng, 6, 6, 64, jnp.float32)
     with pytest.raises(ValueError, match=r"q must have shape \[B, T, H, D\]"):
         ops.attention(q[0], k, v)
     with pytest.raises(ValueError, match=r"k must have shape \[B, T, H, D\]"):
         ops.attention(q, k[..., None], v)
     with pytest.raises(ValueError, match="q has 3 heads but k, v have 2"):
         ops.attention(q, k[:, :, :2], v[:, :, :2])
-    with pytest.raises(ValueError, match="q has head size 8 but k, v have 4"):
-        ops.attention(q, k[..., :4], v[..., :4])
+    with pytest.raises(ValueError, match="q has head size 64 but k, v have 32"):
+        ops.attention(q, k[..., :32], v[..., :32])
     with pytest.raises(ValueError, match="q has batch 2 but k, v have batch 1"):
         ops.attention(q, k[:1], v[:1])
     with pytest.raises(ValueError, match="k and v must have the same shape"):
@@ -212,27 +234,33 @@ def _raw(target, outs, *args, **attrs):
 
 @pytest.mark.parametrize("case", ["out_shape", "lse_shape", "lse_dtype", "qk_dtype", "heads",
                                   "rank", "causal_lengths", "scale_nan", "dk_shape",
-                                  "dlse_shape", "int_inputs"])
+                                  "dlse_shape", "delta_shape", "delta_dtype", "int_inputs"])
 def test_handler_rejects_inconsistent_buffers(rng, case):
-    q, k, v = _qkv(rng, 6, 6, 8, jnp.float32)
+    d = 64
+    q, k, v = _qkv(rng, 6, 6, d, jnp.float32)
     sds = jax.ShapeDtypeStruct
     o, l = sds(q.shape, jnp.float32), sds((B, H, 6), jnp.float32)
     fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
     attrs = dict(causal=True, scale=np.float32(0.3))
     lse = jnp.zeros((B, H, 6), jnp.float32)
+    bwd_args = (q, k, v, q, lse, q, lse)
     calls = {
-        "out_shape": lambda: _raw(fwd, (sds((B, 6, H, 7), jnp.float32), l), q, k, v, **attrs),
+        "out_shape": lambda: _raw(fwd, (sds((B, 6, H, d - 1), jnp.float32), l), q, k, v, **attrs),
         "lse_shape": lambda: _raw(fwd, (o, sds((B, 6, H), jnp.float32)), q, k, v, **attrs),
         "lse_dtype": lambda: _raw(fwd, (o, sds((B, H, 6), jnp.bfloat16)), q, k, v, **attrs),
         "qk_dtype": lambda: _raw(fwd, (o, l), q, k.astype(jnp.bfloat16), v, **attrs),
         "heads": lambda: _raw(fwd, (o, l), q, k[:, :, :2], v[:, :, :2], **attrs),
-        "rank": lambda: _raw(fwd, (sds((B, 6, H * 8), jnp.float32), l),
-                             q.reshape(B, 6, H * 8), k, v, **attrs),
+        "rank": lambda: _raw(fwd, (sds((B, 6, H * d), jnp.float32), l),
+                             q.reshape(B, 6, H * d), k, v, **attrs),
         "causal_lengths": lambda: _raw(fwd, (o, l), q, k[:, :5], v[:, :5], **attrs),
         "scale_nan": lambda: _raw(fwd, (o, l), q, k, v, causal=False, scale=np.float32("nan")),
-        "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, 8), jnp.float32), o),
-                                 q, k, v, q, lse, q, lse, **attrs),
-        "dlse_shape": lambda: _raw(bwd, (o, o, o), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
+        "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, d), jnp.float32), o, l),
+                                 *bwd_args, **attrs),
+        "dlse_shape": lambda: _raw(bwd, (o, o, o, l), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
+        "delta_shape": lambda: _raw(bwd, (o, o, o, sds((B, H, 5), jnp.float32)), *bwd_args,
+                                    **attrs),
+        "delta_dtype": lambda: _raw(bwd, (o, o, o, sds((B, H, 6), jnp.bfloat16)), *bwd_args,
+                                    **attrs),
         "int_inputs": lambda: _raw(fwd, (sds(q.shape, jnp.int32), l), q.astype(jnp.int32),
                                    k.astype(jnp.int32), v.astype(jnp.int32), **attrs),
     }
@@ -240,28 +268,66 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
         jax.block_until_ready(calls[case]())
 
 
-@pytest.mark.gpu
-def test_gpu_has_no_kernel_yet(rng):
-    q, k, v = _qkv(rng, 8, 8, 64, jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="blujax.attention has no CUDA kernel yet"):
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_bwd_returns_delta(rng, dtype):
+    # The contract's fourth backward output, the same on both platforms:
+    # delta = rowsum(dout * out) - dlse, [B, H, Tq] float32.
+    tq = 37
+    q, k, v = _qkv(rng, tq, 45, 64, dtype)
+    out, lse = ops.attention_with_lse(q, k, v, causal=False)
+    dout = randn(rng, q.shape, dtype)
+    dlse = randn(rng, lse.shape, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    results = (sds(q.shape, dtype), sds(k.shape, dtype), sds(v.shape, dtype),
+               sds(lse.shape, jnp.float32))
+    *_, delta = _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
+                     causal=False, scale=np.float32(0.125))
+    f32 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    want = np.einsum("bqhd,bqhd->bhq", f32(dout), f32(out)) - f32(dlse)
+    assert delta.dtype == jnp.float32 and delta.shape == (B, H, tq)
+    assert_close(delta, want, jnp.float32, factor=5)
+
+
+def test_gpu_head_size_check_message(rng, monkeypatch):
+    # What a GPU run sees for a head size without a CUDA kernel, checked everywhere.
+    attention_module = importlib.import_module("blujax.kernels.attention")
+    monkeypatch.setattr(attention_module, "current_platform", lambda: "gpu")
+    q, k, v = _qkv(rng, 4, 4, 96, jnp.float32)
+    with pytest.raises(ValueError, match=r"attention: head size D=96 has no CUDA kernel; "
+                       r"supported on the GPU: 64, 128 .*use blujax.kernels.xla.attention"):
         ops.attention(q, k, v)
-    with pytest.raises(NotImplementedError, match="no CUDA kernel yet"):
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_rejects_unsupported_head_sizes(rng):
+    q, k, v = _qkv(rng, 8, 8, 96, jnp.bfloat16)
+    with pytest.raises(ValueError, match="head size D=96 has no CUDA kernel"):
+        ops.attention(q, k, v)
+    with pytest.raises(ValueError, match="head size D=96 has no CUDA kernel"):
         jax.jit(ops.attention_with_lse)(q, k, v)
+    sds = jax.ShapeDtypeStruct
+    with pytest.raises(Exception, match=r"blujax_attention_fwd: head size D = 96 has no GPU "
+                       r"kernel \(supported: 64 and 128\)"):
+        jax.block_until_ready(_raw("blujax_attention_fwd", (sds(q.shape, q.dtype),
+                                                            sds((B, H, 8), jnp.float32)),
+                                   q, k, v, causal=True, scale=np.float32(0.1)))
 
 
-def test_require_target_refuses_a_gpu_without_the_kernel(monkeypatch):
-    # What a GPU run sees, checked everywhere: a CUDA library that lacks the target.
-    import blujax._ffi as ffi
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,causal,d,dtype", [
+    (4096, True, 64, jnp.bfloat16), (4096, False, 128, jnp.bfloat16),
+    (8192, True, 64, jnp.bfloat16), (8192, False, 128, jnp.float32),
+], ids=str)
+def test_gpu_very_long_sequences(rng, tq, causal, d, dtype):
+    # Hundreds of tiles per (batch, head): the causal skip, the query-block order and the
+    # streaming loops over thousands of rows (the spec materialises [Tq, Tk]; one head each).
+    _check_values_and_grads(rng, tq, tq, causal, d, dtype, b=1, h=1)
 
-    class CudaWithoutAttention:
-        @staticmethod
-        def registrations():
-            return {"blujax_layer_norm_fwd": None}
 
-    monkeypatch.setattr(ffi, "_load", lambda: ({"cpu": ffi, "cuda": CudaWithoutAttention}, {}))
-    monkeypatch.setattr(ffi, "current_platform", lambda: "gpu")
-    with pytest.raises(NotImplementedError, match=r"blujax.attention has no CUDA kernel yet; "
-                       r"run it on the CPU \(JAX_PLATFORMS=cpu\) or use "
-                       r"blujax.kernels.xla.attention"):
-        ffi.require_target("attention", "blujax_attention_fwd")
-    ffi.require_target("layer_norm", "blujax_layer_norm_fwd")  # registered there: no error
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gpu_more_than_65535_heads(rng, dtype):
+    # B * H beyond a grid's y limit: the kernels number blocks along x only.
+    _check_values_and_grads(rng, 3, 3, True, 64, dtype, b=2, h=33000)

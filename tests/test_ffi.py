@@ -16,16 +16,12 @@ def test_kernel_backends_lists_what_loaded():
         assert "cuda" in backends
 
 
-# Targets whose CUDA kernel is not written yet; their ops raise on a GPU (_ffi.require_target).
-CPU_ONLY = {"blujax_attention_fwd", "blujax_attention_bwd"}
-
-
 def test_every_cpu_target_has_a_cuda_twin():
     loaded, _ = _ffi._load()
     cpu = set(loaded["cpu"].registrations())
     assert {"blujax_layer_norm_fwd", "blujax_layer_norm_bwd"} <= cpu
     if "cuda" in loaded:
-        assert set(loaded["cuda"].registrations()) == cpu - CPU_ONLY
+        assert set(loaded["cuda"].registrations()) == cpu
 
 
 def test_lowers_to_our_custom_call_for_cuda_without_a_gpu():
@@ -43,3 +39,19 @@ def test_missing_cuda_kernels_on_a_gpu_is_an_error_not_a_fallback(monkeypatch):
     monkeypatch.setattr(_ffi, "current_platform", lambda: "gpu")
     with pytest.raises(RuntimeError, match="(?s)built without its CUDA kernels.*BLUJAX_CUDA=ON"):
         kernels.layer_norm(jnp.ones((2, 4)), jnp.ones(4), jnp.ones(4))
+
+
+def test_require_target_refuses_a_gpu_without_the_kernel(monkeypatch):
+    # For an op whose CUDA kernel is still to come: a CUDA library that lacks the target.
+    class CudaWithoutIt:
+        @staticmethod
+        def registrations():
+            return {"blujax_layer_norm_fwd": None}
+
+    monkeypatch.setattr(_ffi, "_load", lambda: ({"cpu": _ffi, "cuda": CudaWithoutIt}, {}))
+    monkeypatch.setattr(_ffi, "current_platform", lambda: "gpu")
+    with pytest.raises(NotImplementedError, match=r"blujax.new_op has no CUDA kernel yet; "
+                       r"run it on the CPU \(JAX_PLATFORMS=cpu\) or use "
+                       r"blujax.kernels.xla.new_op"):
+        _ffi.require_target("new_op", "blujax_new_op_fwd")
+    _ffi.require_target("layer_norm", "blujax_layer_norm_fwd")  # registered there: no error

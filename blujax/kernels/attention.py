@@ -1,10 +1,11 @@
 """Scaled dot-product attention (flash style) on our FFI kernels, with its log-sum-exp.
 
-Kernels: xla_ext/cpu/attention.cc (float32, float64, bfloat16 with float32 arithmetic); the
-CUDA kernel is not written yet, so on a GPU these ops raise at trace time. The forward saves
-the per-row log-sum-exp; the backward recomputes the probabilities from q, k and it, and takes
-a cotangent for lse too (ring attention merges partial results through lse). The jnp
-specification is `blujax.kernels.xla.attention` / `attention_with_lse`.
+Kernels: xla_ext/cuda/attention.cu (bfloat16 on tensor cores, float32 in exact float32
+arithmetic; head size D of 64 or 128) and xla_ext/cpu/attention.cc (float32, float64,
+bfloat16 with float32 arithmetic; any D). The forward saves the per-row log-sum-exp; the
+backward recomputes the probabilities from q, k and it, and takes a cotangent for lse too
+(ring attention merges partial results through lse). The jnp specification is
+`blujax.kernels.xla.attention` / `attention_with_lse`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blujax._ffi import require_target
+from blujax._ffi import current_platform, require_kernels
 from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
+# Head sizes the CUDA kernels are compiled for (xla_ext/cuda/attention.cu, WithHeadDim).
+GPU_HEAD_DIMS = (64, 128)
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     """softmax(scale * q k^T [+ causal mask]) v per batch and head.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, H, D], one dtype (float32, bfloat16, or float64 on the CPU).
-    causal=True masks keys after the query and needs Tq == Tk. scale defaults to 1/sqrt(D) and
-    reaches the kernels as a float32. Returns [B, Tq, H, D] in q's dtype.
+    On a GPU, D must be 64 or 128 (GPU_HEAD_DIMS). causal=True masks keys after the query and
+    needs Tq == Tk. scale defaults to 1/sqrt(D) and reaches the kernels as a float32. Returns
+    [B, Tq, H, D] in q's dtype.
     """
     return _attention_op("attention", q, k, v, causal, scale)[0]
 
@@ -41,7 +45,7 @@ def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = No
 
 def _attention_op(op, q, k, v, causal, scale):
     scale = _check(op, q, k, v, causal, scale)
-    require_target(op, "blujax_attention_fwd")
+    require_kernels(op)
     q, k, v = match_vma(q, k, v)
     return _attention(q, k, v, bool(causal), scale)
 
@@ -82,6 +86,12 @@ def _check(op, q, k, v, causal, scale) -> float:
     if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{op}: scale must be a finite number > 0, got {scale!r}")
     check_float64_platform(op, q.dtype)
+    if current_platform() == "gpu" and d not in GPU_HEAD_DIMS:
+        raise ValueError(
+            f"{op}: head size D={d} has no CUDA kernel; supported on the GPU: "
+            f"{', '.join(map(str, GPU_HEAD_DIMS))} (shapes q {q.shape}, k {k.shape}); for "
+            f"other head sizes use blujax.kernels.xla.{op}"
+        )
     return float(scale)
 
 
@@ -115,11 +125,14 @@ def _attention_bwd(causal, scale, res, cts):
     # must be what the handler checks.
     dout, dlse = dout.astype(q.dtype), dlse.astype(lse.dtype)
     dout, dlse = match_vma(dout, dlse, q)[:2]
-    return jax.ffi.ffi_call(
+    # delta [B, H, Tq] is the kernels' scratch (rowsum(dout * out) - dlse), an output because
+    # handlers do not allocate; it is dropped here.
+    dq, dk, dv, _ = jax.ffi.ffi_call(
         "blujax_attention_bwd",
-        (result_type(q), result_type(k), result_type(v)),
+        (result_type(q), result_type(k), result_type(v), result_type(lse)),
         vmap_method="sequential",
     )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
+    return dq, dk, dv
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,20 +1,22 @@
-// The attention handler contract, shared by xla_ext/cpu/attention.cc and a future
-// xla_ext/cuda/attention.cu.
+// The attention handler contract, shared by xla_ext/cpu/attention.cc and
+// xla_ext/cuda/attention.cu (the same on both platforms).
 //
 // blujax_attention_fwd  (q, k, v)                         -> (out, lse)
-// blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv)
+// blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv, delta)
 // attributes: causal (bool), scale (float32, finite and > 0)
 //
 // q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
-// projection gives without a transpose), all of one float dtype. lse and dlse are [B, H, Tq],
-// float32 (float64 for float64 inputs). With s = scale * q k^T per (b, h):
+// projection gives without a transpose), all of one float dtype. lse, dlse and delta are
+// [B, H, Tq], float32 (float64 for float64 inputs). With s = scale * q k^T per (b, h):
 //   lse_i = log(sum_j exp(s_ij))    out_i = sum_j exp(s_ij - lse_i) v_j
 // causal masks keys j > i and needs Tq == Tk (every row then keeps at least key 0); the
 // non-causal form allows Tq != Tk (ring attention's off-diagonal blocks).
-// Backward, with P = exp(s - lse), dP = dout v^T and D_i = sum_d dout_id out_id:
-//   dS = P * (dP - D_i + dlse_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
+// Backward, with P = exp(s - lse), dP = dout v^T and delta_i = sum_d dout_id out_id - dlse_i:
+//   dS = P * (dP - delta_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
 // (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
-// lse, so its gradient flows back through it.)
+// lse, so its gradient flows back through it.) delta is an output only because the GPU needs
+// it as scratch between its kernels and handlers never allocate; callers drop it.
+// The GPU runs float32 and bfloat16 with D = 64 or 128; the CPU any D, and float64 too.
 #pragma once
 
 #include <cmath>

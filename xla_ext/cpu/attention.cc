@@ -1,4 +1,4 @@
-// Scaled dot-product attention on the CPU, flash style: the reference for a future
+// Scaled dot-product attention on the CPU, flash style: the reference for
 // xla_ext/cuda/attention.cu (float32, float64, and bfloat16 with float32 arithmetic).
 // Handler contract and the formulas: common/attention.h.
 //
@@ -118,12 +118,13 @@ template <typename T>
 void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
                       const typename Compute<T>::type* lse, const T* dout,
                       const typename Compute<T>::type* dlse, T* dq, T* dk, T* dv,
-                      const AttentionDims& d, bool causal, float scale_f) {
+                      typename Compute<T>::type* delta_out, const AttentionDims& d, bool causal,
+                      float scale_f) {
   using S = typename Compute<T>::type;
   const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
   const S scale = static_cast<S>(scale_f);
   std::vector<S> qh(tq * dh), kh(tk * dh), vh(tk * dh), oh(tq * dh), doh(tq * dh);
-  std::vector<S> dqh(tq * dh), dkh(tk * dh), dvh(tk * dh), delta(tq);
+  std::vector<S> dqh(tq * dh), dkh(tk * dh), dvh(tk * dh);
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t h = 0; h < d.heads; ++h) {
       Gather(q, b, h, tq, d, qh.data());
@@ -137,7 +138,9 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
       const S* row_lse = &lse[(b * d.heads + h) * tq];
       const S* row_dlse = &dlse[(b * d.heads + h) * tq];
       // D_i - dlse_i: the part of dS_ij = P_ij (dP_ij - D_i + dlse_i) that is the same for
-      // every key of row i.
+      // every key of row i. It is an output of the contract (the GPU's scratch), so it is
+      // computed into that buffer here too.
+      S* delta = &delta_out[(b * d.heads + h) * tq];
       for (int64_t i = 0; i < tq; ++i)
         delta[i] = Dot(&doh[i * dh], &oh[i * dh], dh) - row_dlse[i];
       // Key blocks outside, as the GPU kernel will do it: dk, dv of a block stay in one place
@@ -195,7 +198,8 @@ ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, bool causal, float scale) {
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                        bool causal, float scale) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
@@ -206,11 +210,13 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", *dq, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", *dk, "k", k));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", *dv, "v", v));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "delta", *delta, q.element_type(), d));
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
     AttentionBwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), In<T>(out), In<S>(lse), In<T>(dout),
-                        In<S>(dlse), Out<T>(dq), Out<T>(dk), Out<T>(dv), d, causal, scale);
+                        In<S>(dlse), Out<T>(dq), Out<T>(dk), Out<T>(dv), Out<S>(delta), d,
+                        causal, scale);
   });
 }
 
@@ -238,6 +244,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
+                           .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq]: rowsum(dout out) - dlse
                            .Attr<bool>("causal")
                            .Attr<float>("scale"));
 
