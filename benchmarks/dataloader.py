@@ -7,7 +7,8 @@ Writes synthetic llm.c shards (random GPT-2 token ids) into a temporary folder (
 and reused), then runs each loader in a fresh Python process of its own, so that their memory
 is measured apart:
 
-- blujax: blujax.data.DataLoader (shuffled chunks, prefetch thread, reused buffers).
+- blujax: blujax.data.DataLoader (shuffled chunks, prefetch thread, new arrays per batch).
+- blujax-reused: the same with reuse_buffers=True (buffers allocated once and reused).
 - numpy-memmap: nanoGPT's get_batch: np.memmap of a shard, B random offsets, np.stack of the
   rows, astype(int32); synchronous.
 
@@ -76,17 +77,21 @@ class NumpyMemmapLoader:
         return x, y
 
 
+LOADERS = ("blujax", "blujax-reused", "numpy-memmap")
+
+
 def run_child(args) -> dict:
     """One loader, in this (fresh) process."""
     paths = [Path(p) for p in args.paths]
     baseline = rss_kib()
-    if args.child == "blujax":
+    if args.child.startswith("blujax"):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from blujax.data import DataLoader
         imports = rss_kib()
         start = time.perf_counter()
         loader = DataLoader(paths, batch_size=args.batch, seq_len=args.seq, seed=0,
-                            process_index=0, process_count=1, prefetch=args.prefetch)
+                            process_index=0, process_count=1, prefetch=args.prefetch,
+                            reuse_buffers=args.child == "blujax-reused")
     else:
         imports = baseline
         start = time.perf_counter()
@@ -133,7 +138,7 @@ def main():
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--dir", type=Path, help="keep the shards here (reused if present)")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--child", choices=["blujax", "numpy-memmap"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     parser.add_argument("--paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -150,7 +155,7 @@ def main():
               f"{args.batches} batches per pass; step {args.step_ms} ms; "
               f"CPUs: {os.cpu_count()}")
         results = {}
-        for name in ("blujax", "numpy-memmap"):
+        for name in LOADERS:
             cmd = [sys.executable, __file__, "--child", name, "--paths", *map(str, paths)]
             for flag in ("batch", "seq", "batches", "warmup", "step_ms", "prefetch"):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

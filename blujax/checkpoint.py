@@ -26,7 +26,11 @@ wrong weights; here every chunk is checked on load.
 A save first copies the arrays to host memory (the stall the caller sees, reported), then a
 background thread writes them into a temporary directory, fsyncs, and renames it into place:
 a crash at any point leaves the previous checkpoints as they were. Only the last `keep` are
-kept. One process writes a checkpoint directory at a time.
+kept. One process writes a checkpoint directory at a time; opening one for writing tidies what
+an interrupted save left there. To read checkpoints while another process may be writing
+them (to evaluate or sample from a run in progress), open the directory read-only:
+
+    latest = Checkpointer("runs/gpt2/ckpt", read_only=True).restore(like=...)
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be restored as asked: corrupt, truncated, or not matching."""
+    """A checkpoint that cannot be restored as asked (corrupt, truncated, or not matching), or
+    a save that cannot be made."""
 
 
 @dataclasses.dataclass
@@ -126,25 +131,35 @@ def _fsync_dir(path: Path):
 
 
 class Checkpointer:
-    """Saves and restores the checkpoints in one directory; see the module docstring."""
+    """Saves and restores the checkpoints in one directory; see the module docstring.
 
-    def __init__(self, directory, keep: int | None = 3, async_save: bool = True):
+    read_only=True opens the directory for listing and restoring only: it is neither created
+    nor tidied (so a save under way in another process is left alone), and save() raises.
+    """
+
+    def __init__(self, directory, keep: int | None = 3, async_save: bool = True, *,
+                 read_only: bool = False):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None for all), got {keep}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         self.keep = keep
-        self.async_save = async_save
+        self.async_save = async_save and not read_only
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="blujax-checkpoint") if async_save else None
+            max_workers=1, thread_name_prefix="blujax-checkpoint") if self.async_save else None
         self._pending: tuple[concurrent.futures.Future, SaveInfo] | None = None
         self.last_save: SaveInfo | None = None
-        self._recover()
+        if not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._recover()
 
     # ---- listing
 
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints here, ascending."""
+        """Steps of the complete checkpoints here, ascending (none if the directory does not
+        exist, which only a read-only Checkpointer allows)."""
+        if not self.directory.is_dir():
+            return []
         found = []
         for p in self.directory.iterdir():
             m = _STEP_DIR.match(p.name)
@@ -170,6 +185,9 @@ class Checkpointer:
         write is raised by the next save(), wait() or close().
         """
         start = time.perf_counter()
+        if self.read_only:
+            raise CheckpointError(f"cannot save step {step} into {self.directory}: this "
+                                  f"Checkpointer was opened with read_only=True")
         if jax.process_count() > 1:
             raise CheckpointError(
                 "saving from several JAX processes is not supported yet: each process would "

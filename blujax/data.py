@@ -276,6 +276,11 @@ class _Slot:
     targets: np.ndarray
     batch: Batch
 
+    @classmethod
+    def new(cls, rows: int, seq_len: int) -> _Slot:
+        inputs, targets = _aligned_int32((rows, seq_len)), _aligned_int32((rows, seq_len))
+        return cls(inputs, targets, Batch(inputs, targets))
+
 
 class _Producer:
     """The prefetch thread's side. Holds no reference to the DataLoader, so that dropping the
@@ -291,11 +296,12 @@ class _Producer:
     _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 
     def __init__(self, paths, counts, vocab_size, order, tokens_per_batch, lo, hi, seq_len,
-                 slots, drop_bytes):
+                 slots, drop_bytes, reuse_buffers):
         self.paths, self.counts, self.vocab_size = paths, counts, vocab_size
         self.order, self.tokens_per_batch = order, tokens_per_batch
         self.lo, self.hi, self.seq_len = lo, hi, seq_len
         self.slots, self.drop_bytes = slots, drop_bytes
+        self.reuse_buffers = reuse_buffers
         self.checks: dict[int, concurrent.futures.Future] = {}  # by shard, once per shard
         self.checker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="blujax-data-check")
@@ -354,6 +360,8 @@ class _Producer:
                     shard = Shard(self.paths[s], self.vocab_size, check_tokens=False)
                     shard_index, touched = s, 0
                     self._check(self.order.shard_after(epoch, k))
+                if not self.reuse_buffers:  # what was handed out is the caller's now
+                    self.slots[slot_index] = _Slot.new(self.hi - self.lo, self.seq_len)
                 slot = self.slots[slot_index]
                 start = chunk * self.tokens_per_batch + first
                 np.copyto(slot.inputs.reshape(-1), shard.tokens[start:start + count])
@@ -384,14 +392,24 @@ class DataLoader:
     [i * B/n, (i+1) * B/n) of every batch (B = batch_size, the global batch); rank_slice()
     splits those rows further between a process's data-parallel ranks.
 
-    The returned arrays live in buffers allocated once and reused: a batch is valid until the
-    next call to next(). Copy it (device_put does) to keep it longer.
+    Every batch is new arrays that the loader never writes again: the caller may keep them,
+    and jax arrays made from them, as long as it likes. (jax.device_put does not make keeping
+    a buffer that is written again safe: it is asynchronous, so on a GPU the transfer may still
+    be reading the numpy array after it returns, and on the CPU it shares the memory of an
+    aligned array instead of copying it, even with may_alias=False.) New arrays cost the
+    prefetch thread an allocation per batch, far less than a training step.
+
+    reuse_buffers=True fills prefetch+1 buffers allocated once instead (a little faster in a
+    loop that does nothing else): a batch is then valid only until the next call to next(),
+    and the caller must copy it first, or wait for its transfer to the device to finish
+    (block_until_ready), to keep it or anything made from it.
     """
 
     def __init__(self, shards, split: str | None = None, *, batch_size: int, seq_len: int,
                  seed: int = 0, shuffle: bool = True, process_index: int | None = None,
                  process_count: int | None = None, prefetch: int = 4,
-                 vocab_size: int = GPT2_VOCAB_SIZE, drop_bytes: int = 8 << 20):
+                 vocab_size: int = GPT2_VOCAB_SIZE, drop_bytes: int = 8 << 20,
+                 reuse_buffers: bool = False):
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, "
                              f"{seq_len}")
@@ -421,16 +439,16 @@ class DataLoader:
         self.batches_per_epoch = sum(chunks)
         rows = batch_size // process_count
         self.rows = rows
-        slots = []
-        for _ in range(prefetch + 1):  # the consumer holds one while `prefetch` wait ready
-            inputs = _aligned_int32((rows, seq_len))
-            targets = _aligned_int32((rows, seq_len))
-            slots.append(_Slot(inputs, targets, Batch(inputs, targets)))
+        self.reuse_buffers = bool(reuse_buffers)
+        # The consumer holds one slot while `prefetch` wait ready. Without reuse_buffers the
+        # prefetch thread puts new arrays into a slot each time it fills it.
+        slots = [_Slot.new(rows, seq_len) if self.reuse_buffers else None
+                 for _ in range(prefetch + 1)]
         self._slots = slots
         self._producer = _Producer(self.paths, self.counts, vocab_size,
                                    _Order(chunks, self.seed, self.shuffle), tokens_per_batch,
                                    process_index * rows, (process_index + 1) * rows, seq_len,
-                                   slots, drop_bytes)
+                                   slots, drop_bytes, self.reuse_buffers)
         self._fingerprint = hashlib.sha256(json.dumps(
             [[p.name, c] for p, c in zip(self.paths, self.counts)]).encode()).hexdigest()[:16]
         self._held = None

@@ -246,6 +246,32 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     assert Checkpointer(tmp_path).steps() == [1]
 
 
+def test_read_only_leaves_the_directory_alone(tmp_path):
+    """A reader beside a run that is saving: it neither creates nor tidies the directory, so
+    a save under way in its temporary folder survives, and it cannot save."""
+    missing = tmp_path / "not-yet"
+    assert Checkpointer(missing, read_only=True).steps() == []
+    assert not missing.exists()
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        Checkpointer(missing, read_only=True).restore()
+
+    writer = Checkpointer(tmp_path, async_save=False)
+    writer.save(1, {"w": jnp.arange(10.0)})
+    in_flight = tmp_path / ".tmp-step_00000002-0123abcd"
+    (in_flight / "arrays").mkdir(parents=True)
+    reader = Checkpointer(tmp_path, read_only=True)
+    assert in_flight.is_dir()
+    assert reader.steps() == [1]
+    np.testing.assert_array_equal(reader.restore(like={"w": jnp.zeros(10)}).tree["w"],
+                                  np.arange(10.0))
+    with pytest.raises(CheckpointError, match="read_only=True"):
+        reader.save(2, {"w": jnp.arange(10.0)})
+    reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [in_flight.name, "step_00000001"]
+    Checkpointer(tmp_path)  # opened for writing, it tidies
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
 def test_keep_last_n(tmp_path, rng):
     ckpt = Checkpointer(tmp_path, keep=2)
     x = jnp.asarray(rng.standard_normal(7), jnp.float32)

@@ -346,9 +346,34 @@ def test_loader_state_resumes_with_next_batch(shards):
 
 def test_loader_reuses_its_buffers(shards):
     path, _ = shards
-    with loader(path, prefetch=2) as it:
+    with loader(path, prefetch=2, reuse_buffers=True) as it:
         seen = {next(it).inputs.ctypes.data for _ in range(40)}
     assert len(seen) <= 3
+
+
+def test_batches_are_safe_to_keep(shards):
+    """A batch kept while later ones are produced does not change: neither its numpy arrays
+    nor the device arrays made from them (on the CPU, jax.device_put of an aligned numpy
+    array shares its memory instead of copying it)."""
+    import jax
+    path, _ = shards
+    # With prefetch=1 the loader fills two slots: the third batch goes into the first's.
+    with loader(path, prefetch=1) as it:
+        first = next(it)
+        kept = first.inputs.copy(), first.targets.copy()
+        on_device = jax.device_put(first.inputs), jax.device_put(first.targets)
+        later = [next(it) for _ in range(2)]
+        assert not np.array_equal(later[1].inputs, kept[0])
+        for array in (first.inputs, on_device[0]):
+            np.testing.assert_array_equal(np.asarray(array), kept[0])
+        for array in (first.targets, on_device[1]):
+            np.testing.assert_array_equal(np.asarray(array), kept[1])
+    # Reused buffers: the numpy arrays are valid only until the next call.
+    with loader(path, prefetch=1, reuse_buffers=True) as it:
+        first = next(it)
+        kept = first.inputs.copy()
+        third = [next(it) for _ in range(2)][1]
+        assert third.inputs is first.inputs and not np.array_equal(first.inputs, kept)
 
 
 def test_loader_reports_bad_shards(shards):

@@ -10,12 +10,15 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from blujax import cli
+from blujax.cli import corpus as cli_corpus, parser as cli_parser, train as cli_train
 from blujax.checkpoint import Checkpointer
 from blujax.data import ShardError
 
@@ -107,6 +110,8 @@ def test_train_writes_metrics_plot_config_checkpoints(trained, corpus):
 
 
 def test_resume_is_bit_identical(trained, corpus, tmp_path, capsys):
+    """Three steps, a stop, and three more in a new process equal six steps straight: the
+    losses, the validation losses and the final checkpoint, bit for bit."""
     out = tmp_path / "resumed"
     base = ["train", "--data", corpus, *TINY, "--steps", 6, "--eval-every", 3,
             "--sample-tokens", 0, "--out", out]
@@ -118,8 +123,12 @@ def test_resume_is_bit_identical(trained, corpus, tmp_path, capsys):
     status, _, err = _run(capsys, "train", "--resume", "--out", out, "--lr", "2e-3")
     assert status == 2 and "--lr 0.002 (the run has 0.001)" in err
 
-    status, stdout, _ = _run(capsys, "train", "--resume", "--out", out, "--no-progress")
-    assert status == 0 and "resuming after step 3" in stdout
+    # The environment (the user cache, XLA_FLAGS) is this test's.
+    resumed = subprocess.run([sys.executable, "-m", "blujax.cli", "train", "--resume", "--out",
+                              str(out), "--no-progress"], capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after step 3" in resumed.stdout
 
     def metrics(run):
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -208,7 +217,8 @@ def test_run_folder_errors(trained, tmp_path, capsys):
 
 
 def test_offline_without_the_corpus_says_what_to_do(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "CORPUS_URL", "http://127.0.0.1:9/input.txt")  # refused at once
+    # Refused at once.
+    monkeypatch.setattr(cli_corpus, "CORPUS_URL", "http://127.0.0.1:9/input.txt")
     status, _, err = _run(capsys, "train", "--model", "tiny", "--out", tmp_path / "run")
     _assert_usage_error(status, err, "could not download the default corpus")
     assert "set BLUJAX_CORPUS" in err and "--data FILE" in err and "TIKTOKEN_CACHE_DIR" in err
@@ -231,21 +241,21 @@ def test_default_corpus_is_llmc_tinyshakespeare(tmp_path, monkeypatch):
     copy.parent.mkdir()
     shutil.copyfile(root / "tinyshakespeare.txt", copy)
     monkeypatch.setenv("BLUJAX_CORPUS", str(copy))
-    source = cli.resolve_data(None, progress=False)
-    tokens = cli.user_cache_dir() / "tinyshakespeare.txt.tokens"
+    source = cli_corpus.resolve_data(None, progress=False)
+    tokens = cli_corpus.user_cache_dir() / "tinyshakespeare.txt.tokens"
     assert {p.parent for p in source.train + source.val} == {tokens}
     assert sorted(p.name for p in copy.parent.iterdir()) == ["input.txt"]
     for ours, theirs in ((source.train[0], "tiny_shakespeare_train.bin"),
                          (source.val[0], "tiny_shakespeare_val.bin")):
         assert ours.read_bytes() == (llmc / theirs).read_bytes()
     stamp = source.train[0].stat().st_mtime_ns
-    assert cli.resolve_data(None, progress=False) == source
+    assert cli_corpus.resolve_data(None, progress=False) == source
     assert source.train[0].stat().st_mtime_ns == stamp  # reused, not written again
 
-    cached = cli.user_cache_dir() / cli.CORPUS_NAME
+    cached = cli_corpus.user_cache_dir() / cli_corpus.CORPUS_NAME
     shutil.copyfile(copy, cached)
     monkeypatch.setenv("BLUJAX_CORPUS", str(tmp_path / "elsewhere.txt"))  # not looked at
-    again = cli.resolve_data(None, progress=False)
+    again = cli_corpus.resolve_data(None, progress=False)
     assert again.train[0].read_bytes() == source.train[0].read_bytes()
 
 
@@ -254,9 +264,9 @@ def test_download_checks_the_sha256(tmp_path, corpus):
     url = corpus.absolute().as_uri()
     dest = tmp_path / "cache" / "corpus.txt"
     with pytest.raises(ValueError, match="sha256"):
-        cli.download(url, dest, sha256="0" * 64, progress=False)
+        cli_corpus.download(url, dest, sha256="0" * 64, progress=False)
     assert not dest.exists() and not list(dest.parent.iterdir())  # no partial file left
-    cli.download(url, dest, sha256=hashlib.sha256(corpus.read_bytes()).hexdigest(),
+    cli_corpus.download(url, dest, sha256=hashlib.sha256(corpus.read_bytes()).hexdigest(),
                  progress=False)
     assert dest.read_bytes() == corpus.read_bytes()
 
@@ -264,9 +274,9 @@ def test_download_checks_the_sha256(tmp_path, corpus):
 def test_tokens_go_to_the_user_cache_when_the_folder_is_read_only(tmp_path, monkeypatch):
     text = tmp_path / "notes.txt"
     text.write_text("hello")
-    monkeypatch.setattr(cli, "_writable", lambda folder: folder.parent != tmp_path)
-    cache = cli._token_cache(text)
-    assert cache.parent == cli.user_cache_dir() / "tokens"
+    monkeypatch.setattr(cli_corpus, "_writable", lambda folder: folder.parent != tmp_path)
+    cache = cli_corpus._token_cache(text)
+    assert cache.parent == cli_corpus.user_cache_dir() / "tokens"
     assert cache.name.startswith("notes.txt-")
 
 
@@ -275,15 +285,15 @@ def test_shard_folders_and_globs_split_by_name(tmp_path):
     if not llmc.is_dir():
         pytest.skip(f"{llmc} not found under BLUJAX_TEST_DATA")
     for spec in (str(llmc), str(llmc / "*.bin")):
-        source = cli.resolve_data(spec, progress=False)
+        source = cli_corpus.resolve_data(spec, progress=False)
         assert [p.name for p in source.train] == ["tiny_shakespeare_train.bin"]
         assert [p.name for p in source.val] == ["tiny_shakespeare_val.bin"]
-    one = cli.resolve_data(str(llmc / "tiny_shakespeare_train.bin"), progress=False)
+    one = cli_corpus.resolve_data(str(llmc / "tiny_shakespeare_train.bin"), progress=False)
     assert [p.name for p in one.val] == ["tiny_shakespeare_val.bin"]  # its twin
     bad = tmp_path / "bad_train.bin"
     bad.write_bytes(b"\0" * 100)
     with pytest.raises(ShardError, match="shorter than"):
-        cli.resolve_data(str(bad), progress=False)
+        cli_corpus.resolve_data(str(bad), progress=False)
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
@@ -292,7 +302,7 @@ def _flags(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
 
 
 def test_help_explains_every_flag(capsys):
-    parser = cli.build_parser()
+    parser = cli_parser.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     wanted = {
         "train": ["--data", "--model", "--steps", "--batch", "--seq", "--ops", "--dtype",
@@ -323,7 +333,7 @@ def test_help_explains_every_flag(capsys):
 def test_a_signal_asks_for_a_stop_after_the_step():
     import signal
     before = signal.getsignal(signal.SIGTERM)
-    with cli._StopRequest() as stop:
+    with cli_train._StopRequest() as stop:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
         assert stop.requested

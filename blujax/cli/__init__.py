@@ -1,0 +1,53 @@
+"""The GPT-2 command line: train, evaluate, sample. `examples/gpt2.py` runs `main()`.
+
+    python examples/gpt2.py                                   # train with the defaults
+    python examples/gpt2.py train --data notes.txt --model small --steps 500 --out runs/a
+    python examples/gpt2.py train --resume --out runs/a       # continue from the latest checkpoint
+    python examples/gpt2.py eval --out runs/a                 # validation loss of the latest one
+    python examples/gpt2.py sample --out runs/a --prompt "Hello, I'm a"
+
+The program lives here, in the package, rather than in the example script, so that the tests
+call `main(argv)` in-process and an installed blujax has it too (`python -m blujax.cli`).
+
+Everything a run writes goes to --out: config.json (model, training and data settings),
+metrics.jsonl (one JSON object per step), loss.png (train and validation loss), ckpt/ (the
+checkpoints) and samples.txt. A resumed run continues bit for bit where the checkpoint left
+off: the checkpoint holds the parameters, optimizer state, step, the data loader's position and
+the sampling key, and every setting that changes the numbers must stay as it was.
+
+The modules, in the order a run uses them:
+    parser.py     the flags of each command, with their help
+    settings.py   a run's settings, their defaults and checks; UsageError
+    corpus.py     the token shards --data names (text file, llm.c shards, default corpus)
+    run.py        the run folder: config.json and the checkpoints
+    train.py      `train` and its loop
+    report.py     metrics.jsonl, loss.png, the progress display, throughput and MFU
+    generate.py   `eval` and `sample`
+"""
+
+from __future__ import annotations
+
+import sys
+
+from blujax.checkpoint import CheckpointError
+from blujax.cli.generate import cmd_eval, cmd_sample
+from blujax.cli.parser import build_parser
+from blujax.cli.settings import UsageError
+from blujax.cli.train import cmd_train
+from blujax.data import ShardError
+
+EXIT_USAGE = 2
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
+
+
+def main(argv=None) -> int:
+    """Runs the command line; returns the exit status (2: a problem the user can fix)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["train", *argv]  # no command: train
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, ShardError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE

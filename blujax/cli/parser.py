@@ -1,0 +1,138 @@
+"""The command line's flags: `train`, `eval` and `sample`, each flag with what it does and its
+default. Training flags default to None, so that settings.resolve_train_settings can tell a
+flag given from one left out (which takes the default, or a resumed run's own value).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from blujax.cli.settings import SAMPLE_PROMPT, defaults
+from blujax.model import gpt2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    cpu, gpu = defaults(False), defaults(True)
+
+    def both(key, fmt="{}"):
+        a, b = fmt.format(cpu[key]), fmt.format(gpu[key])
+        return a if a == b else f"{a} on a CPU, {b} on a GPU"
+
+    parser = argparse.ArgumentParser(
+        prog="gpt2.py",
+        description="Train GPT-2 on blujax's kernels, evaluate it, sample from it. With no "
+                    "command, `train` runs with its defaults: a small model on tinyshakespeare "
+                    "for a few minutes on a CPU, GPT-2 124M in bf16 on a GPU.",
+        epilog="Run `gpt2.py COMMAND --help` for each command's flags.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = commands.add_parser(
+        "train", help="train a model (the default command)",
+        description="Train GPT-2. Writes config.json, metrics.jsonl (one JSON object per "
+                    "step), loss.png, ckpt/ and samples.txt into --out. Flags left out take "
+                    "their defaults, or with --resume the run's own values.")
+    t.add_argument("--data", metavar="PATH_OR_GLOB",
+                   help="a text file (tokenized with GPT-2's encoding into FILE.tokens/ "
+                        "beside it, or the user cache, once), a directory or glob of llm.c "
+                        ".bin shards (split into train/val by '_train_'/'_val_' in their "
+                        "names), or one .bin shard (default: tinyshakespeare, from the user "
+                        "cache, else $BLUJAX_CORPUS, else downloaded)")
+    t.add_argument("--model", help=f"model preset: {', '.join(_preset_names())} "
+                                   f"(default: {both('model')})")
+    t.add_argument("--steps", type=int, help=f"optimizer steps; the learning-rate schedule "
+                                             f"spans them (default: {both('steps')})")
+    t.add_argument("--batch", type=int,
+                   help=f"sequences per optimizer step, over all micro-batches (default: "
+                        f"{both('batch')})")
+    t.add_argument("--seq", type=int, help=f"tokens per sequence, at most the model's "
+                                           f"block_size (default: {both('seq')})")
+    t.add_argument("--accum", type=int, help="gradient accumulation: micro-batches per step; "
+                                             "must divide --batch (default: 1)")
+    t.add_argument("--ops", choices=("ffi", "xla"),
+                   help="ffi: blujax's kernels; xla: the same model in plain JAX (default: ffi)")
+    t.add_argument("--dtype", choices=("bf16", "f32"),
+                   help=f"compute dtype; parameters stay float32 (default: {both('dtype')})")
+    t.add_argument("--seed", type=int, help="seed of the initialization, the data order and "
+                                            "the samples (default: 0)")
+    t.add_argument("--lr", type=float, help=f"peak learning rate (default: {both('lr')})")
+    t.add_argument("--min-lr-ratio", type=float,
+                   help="the cosine decay ends at lr times this (default: 0.1)")
+    t.add_argument("--warmup", type=int,
+                   help="linear warmup steps (default: a tenth of --steps)")
+    t.add_argument("--weight-decay", type=float,
+                   help="AdamW weight decay of matrices and embeddings (default: 0.1)")
+    t.add_argument("--grad-clip", type=float,
+                   help="clip the gradient's global norm to this (default: 1.0)")
+    t.add_argument("--remat", action="store_const", const=True,
+                   help="recompute each block's activations in the backward pass: less "
+                        "memory, more compute (default: off)")
+    t.add_argument("--eval-every", type=int,
+                   help="measure the validation loss every this many steps, and at the end; "
+                        "0: never (default: a tenth of --steps)")
+    t.add_argument("--eval-batches", type=int,
+                   help=f"validation batches per measurement, the split's first ones "
+                        f"(default: {both('eval_batches')})")
+    t.add_argument("--save-every", type=int,
+                   help="checkpoint every this many steps; 0: only at the end (default: 0). "
+                        "The last 3 are kept")
+    t.add_argument("--sample-tokens", type=int,
+                   help=f"at the end, sample this many tokens after \"{SAMPLE_PROMPT}\"; 0: "
+                        f"no samples (default: 64)")
+    t.add_argument("--out", default="out",
+                   help="folder for the run's files and checkpoints (default: out)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint, bit for bit as "
+                        "if it had not stopped; settings that change the numbers must stay "
+                        "the same (default: start a new run)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start again in an --out that already holds a run, deleting its "
+                        "checkpoints and metrics (default: refuse, and say so)")
+    t.add_argument("--stop-after", type=int, metavar="STEP",
+                   help="end this run after step STEP (saving a checkpoint) without changing "
+                        "the schedule of --steps; continue later with --resume (default: "
+                        "run to --steps)")
+    t.add_argument("--profile", metavar="DIR",
+                   help="write a jax.profiler trace of 3 steps, after 3 warm-up steps, into "
+                        "DIR (view with TensorBoard or Perfetto) (default: no trace)")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar or progress lines (default: shown)")
+
+    e = commands.add_parser(
+        "eval", help="validation loss of the latest checkpoint",
+        description="Measure the validation loss of the latest checkpoint in --out on the "
+                    "run's data (or --data).")
+    e.add_argument("--out", default="out", help="the run's folder (default: out)")
+    e.add_argument("--data", metavar="PATH_OR_GLOB",
+                   help="evaluate on this data's validation split instead (same forms as "
+                        "train --data) (default: the run's data)")
+    e.add_argument("--eval-batches", type=int,
+                   help="batches to evaluate, from the split's start; 0: all of it (default: "
+                        "the run's --eval-batches, so the loss matches its val_loss)")
+    e.add_argument("--batch", type=int, help="sequences per batch (default: the run's --batch)")
+    e.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's)")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while tokenizing (default: shown)")
+
+    p = commands.add_parser(
+        "sample", help="generate text from the latest checkpoint",
+        description="Generate text from the latest checkpoint in --out; the same --seed "
+                    "gives the same text.")
+    p.add_argument("--out", default="out", help="the run's folder (default: out)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT,
+                   help=f"text to continue (default: \"{SAMPLE_PROMPT}\")")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate after the prompt (default: 64)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 picks the most likely token (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=40,
+                   help="sample among the k most likely tokens only; 0: among all "
+                        "(default: 40)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--num-samples", type=int, default=1,
+                   help="independent samples of the prompt (default: 1)")
+    p.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's)")
+    return parser
+
+
+def _preset_names() -> list[str]:
+    return list(gpt2.PRESETS)

@@ -1,0 +1,120 @@
+"""What a run reports as it trains: metrics.jsonl, the loss plot, the progress display, and
+throughput and MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_metrics(path: Path, records: list[dict]):
+    """Replaces metrics.jsonl with `records`, atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, record: dict):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def plot_title(s, model_config) -> str:
+    return (f"GPT-2 {s.model} ({model_config.n_layer} layers, {model_config.n_embd} wide), "
+            f"{s.batch}x{s.seq} tokens/step, lr {s.lr:g}")
+
+
+def plot_losses(records: list[dict], path: Path, title: str = ""):
+    """loss.png: the training loss of every step and the validation loss where measured."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no display
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), lw=1, color="tab:blue", label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", ms=4, color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if train or val:
+        ax.legend()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file, a test) a line every `every` steps and
+    at every validation."""
+
+    def __init__(self, start: int, total: int, enabled: bool, every: int):
+        self.tty = enabled and sys.stderr.isatty()
+        self.enabled, self.every = enabled, max(1, every)
+        self.total = total
+        if self.tty:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def update(self, record: dict, mfu: float | None, tokens_per_s: float | None):
+        if not self.enabled:
+            return
+        parts = {"loss": f"{record['loss']:.4f}"}
+        if record.get("val_loss") is not None:
+            parts["val"] = f"{record['val_loss']:.4f}"
+        parts["tok/s"] = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+        parts["MFU"] = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
+        if self.tty:
+            self.bar.set_postfix(parts, refresh=False)
+            self.bar.update(1)
+        elif (record["step"] % self.every == 0 or record.get("val_loss") is not None
+              or record["step"] == self.total):
+            print(f"step {record['step']}/{self.total} "
+                  + " ".join(f"{k} {v}" for k, v in parts.items()), file=sys.stderr, flush=True)
+
+    def write(self, text: str):
+        if self.tty:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.tty:
+            self.bar.close()
+
+
+class Throughput:
+    """Tokens per second over the last `window` timed steps."""
+
+    def __init__(self, window: int = 20):
+        self.times: list[float] = []
+        self.window = window
+
+    def add(self, seconds: float):
+        self.times = (self.times + [seconds])[-self.window:]
+
+    def tokens_per_s(self, tokens_per_step: int) -> float | None:
+        return tokens_per_step * len(self.times) / sum(self.times) if self.times else None
+
+
+def mfu(tokens_per_s: float | None, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization: the model's FLOPs per second over the device's peak (None where
+    either is unknown)."""
+    if tokens_per_s is None or peak is None:
+        return None
+    return flops_per_token * tokens_per_s / peak

@@ -1,0 +1,108 @@
+"""A run on disk: its folder (--out), config.json, and its checkpoints in ckpt/.
+
+config.json records the run's settings, model, training config, data and device; `eval`,
+`sample` and `train --resume` read it back. A checkpoint holds the parameters, optimizer
+state, step and sampling key (the tree below), with the data loader's position beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+
+from blujax.checkpoint import Checkpointer
+from blujax.cli.corpus import DataSource
+from blujax.cli.settings import TrainSettings, UsageError, model_preset, training_config
+from blujax.model import gpt2
+from blujax.train import TrainConfig, TrainState, init_state
+
+RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt")
+
+
+def config_path(out: Path) -> Path:
+    return out / "config.json"
+
+
+def checkpoint_dir(out: Path) -> Path:
+    return out / "ckpt"
+
+
+def load_run(out: Path) -> dict:
+    """The config.json of the run in `out`."""
+    path = config_path(out)
+    if not path.is_file():
+        raise UsageError(f"{out} holds no training run (no config.json): train one first with "
+                         f"`train --out {out}`")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise UsageError(f"{path} is not valid JSON ({e})") from None
+
+
+def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: TrainConfig,
+                 params, source: DataSource, train_tokens: int, fingerprint: str) -> dict:
+    """What config.json holds."""
+    device = jax.devices()[0]
+    return {
+        "settings": dataclasses.asdict(s),
+        "model": dict(name=s.model, **dataclasses.asdict(model_config),
+                      params=gpt2.num_params(params)),
+        "train": dataclasses.asdict(train_config),
+        "data": {"description": source.description, "spec": s.data,
+                 "train": [str(p) for p in source.train], "val": [str(p) for p in source.val],
+                 "train_tokens": train_tokens, "fingerprint": fingerprint},
+        "device": {"platform": device.platform, "kind": device.device_kind},
+        "jax": jax.__version__,
+    }
+
+
+def write_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def clear_run(out: Path):
+    """Deletes what an earlier run in `out` wrote, so that a fresh run does not mix with it."""
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def checkpoint_tree(state: TrainState, sample_key) -> dict:
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+            "sample_key": sample_key}
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    """The steps of the run's checkpoints, read-only: a run saving there now is left alone."""
+    return Checkpointer(checkpoint_dir(out), read_only=True).steps()
+
+
+def restore_latest(out: Path, s: TrainSettings, ops):
+    """The latest checkpoint of the run in `out` (a checkpoint.Restored: .tree, .step,
+    .loader), read without touching the folder."""
+    reader = Checkpointer(checkpoint_dir(out), read_only=True)
+    if not reader.steps():
+        raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
+    return reader.restore(like=_checkpoint_like(s, ops))
+
+
+def _checkpoint_like(s: TrainSettings, ops):
+    """The structure, shapes and dtypes of a checkpoint's tree, without computing it."""
+    model_config, train_config = model_preset(s.model), training_config(s)
+
+    def build(key):
+        state = init_state(model_config, train_config, key, ops=ops)
+        return checkpoint_tree(state, key)
+
+    return jax.eval_shape(build, jax.random.key(0))

@@ -1,0 +1,141 @@
+"""A training run's settings: what they are, their defaults, and the checks on them.
+
+Also UsageError, the error of every problem the user can fix, which the whole command line
+raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+
+from blujax.model import gpt2
+from blujax.train import TrainConfig
+
+# What the samples at the end of training, and `sample` by default, continue.
+SAMPLE_PROMPT = "Hello, I'm a"
+
+
+class UsageError(Exception):
+    """A problem the user can fix (a flag, a file, the environment): main() prints the message
+    as one line and returns 2, without a traceback."""
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    """Every setting of a training run. Those in COMPUTE_KEYS decide its numbers, so a resumed
+    run must keep them; the others only say what to measure and write, and may change."""
+
+    data: str | None
+    model: str
+    steps: int
+    batch: int
+    seq: int
+    accum: int
+    ops: str
+    dtype: str
+    seed: int
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+    remat: bool
+    eval_every: int
+    eval_batches: int
+    save_every: int
+    sample_tokens: int
+
+
+COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed", "lr",
+                "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat")
+
+
+def on_accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def defaults(accelerator: bool) -> dict:
+    """Defaults that depend on where JAX runs: GPT-2 124M in bf16 on a GPU; on a CPU a small
+    model that trains for a few minutes. (warmup and eval_every follow --steps: see
+    resolve_train_settings.)"""
+    if accelerator:
+        base = dict(model="gpt2", steps=200, batch=16, seq=1024, dtype="bf16", lr=6e-4,
+                    eval_batches=8)
+    else:
+        base = dict(model="small", steps=150, batch=8, seq=64, dtype="f32", lr=1e-3,
+                    eval_batches=4)
+    return dict(base, data=None, accum=1, ops="ffi", seed=0, min_lr_ratio=0.1,
+                weight_decay=0.1, grad_clip=1.0, remat=False, save_every=0, sample_tokens=64)
+
+
+def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
+    """The run's settings: the flags given, else (resuming) the saved run's, else defaults.
+    Resuming, a flag that would change the numbers must equal the saved value."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)
+             if getattr(args, f.name, None) is not None}
+    if saved is not None:
+        old = saved["settings"]
+        changed = [k for k in COMPUTE_KEYS if k in given and given[k] != old[k]]
+        if changed:
+            raise UsageError(
+                "--resume continues a run with the settings it started with, and these "
+                "differ: " + ", ".join(f"--{k.replace('_', '-')} {given[k]} (the run has "
+                                       f"{old[k]})" for k in changed))
+        values = dict(old, **given)
+    else:
+        values = dict(defaults(on_accelerator()), **given)
+        if "warmup" not in values:
+            values["warmup"] = values["steps"] // 10
+        if "eval_every" not in values:
+            values["eval_every"] = max(1, values["steps"] // 10)
+    values["data"] = _data_spec(values["data"])
+    return TrainSettings(**{f.name: values[f.name] for f in dataclasses.fields(TrainSettings)})
+
+
+def _data_spec(spec: str | None) -> str | None:
+    """--data as config.json keeps it: absolute, so eval and sample find it from anywhere."""
+    if spec is None or not os.path.exists(spec):
+        return spec
+    return str(Path(spec).absolute())
+
+
+def check_settings(s: TrainSettings, model_config: gpt2.GPT2Config):
+    """Refuses settings that cannot train, before anything is read or compiled."""
+    for name in ("steps", "batch", "seq", "accum", "eval_batches"):
+        if getattr(s, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(s, name)}")
+    for name in ("warmup", "eval_every", "save_every", "sample_tokens"):
+        if getattr(s, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+    if not s.lr > 0:
+        raise UsageError(f"--lr must be positive, got {s.lr}")
+    if s.seq > model_config.block_size:
+        raise UsageError(f"--seq {s.seq} is longer than the model's block_size "
+                         f"({model_config.block_size} for {s.model})")
+    if s.batch % s.accum:
+        raise UsageError(f"--batch {s.batch} does not split into --accum {s.accum} equal "
+                         f"micro-batches")
+    try:
+        training_config(s)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def model_preset(name: str) -> gpt2.GPT2Config:
+    """The preset `name`; an unknown name is a UsageError that lists the presets."""
+    try:
+        return gpt2.get_config(name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def training_config(s: TrainSettings) -> TrainConfig:
+    return TrainConfig(steps=s.steps, learning_rate=s.lr, min_lr_ratio=s.min_lr_ratio,
+                       warmup_steps=s.warmup, weight_decay=s.weight_decay,
+                       grad_clip=s.grad_clip, accum_steps=s.accum, dtype=s.dtype,
+                       remat=s.remat)

@@ -1,0 +1,294 @@
+"""`train`: a new run, or one resumed bit for bit from its latest checkpoint, and its loop.
+
+cmd_train settles the settings, the run folder and the data, builds or restores the state,
+then _TrainLoop runs the steps: timing, metrics, validation, checkpoints, the profile and
+the progress display around the jitted train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from blujax import data
+from blujax.checkpoint import Checkpointer
+from blujax.cli import report, run
+from blujax.cli.corpus import resolve_data, val_batches
+from blujax.cli.generate import encode, generate_text
+from blujax.cli.settings import (SAMPLE_PROMPT, TrainSettings, UsageError, check_settings,
+                                 model_preset, resolve_train_settings, training_config)
+from blujax.model import gpt2
+from blujax.model import ops as model_ops
+from blujax.train import TrainState, init_state, make_eval_step, make_train_step, peak_flops
+
+EXIT_INTERRUPTED = 130
+
+
+def cmd_train(args) -> int:
+    out = Path(args.out)
+    progress = not args.no_progress
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: pick one")
+    saved = run.load_run(out) if args.resume else None
+    s = resolve_train_settings(args, saved)
+    model_config = model_preset(s.model)
+    check_settings(s, model_config)
+    stop_after = s.steps if args.stop_after is None else args.stop_after
+    if not 1 <= stop_after <= s.steps:
+        raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
+    if not _check_out_folder(out, args, s, stop_after):
+        return 0
+
+    source = resolve_data(s.data, progress=progress)
+    counts = [data.read_header(p) for p in source.train]
+    loader = _open_loader(s, source, counts, saved)
+    fingerprint = loader.state()["shards"]
+    val = val_batches(source, s.batch, s.seq, s.eval_batches) if s.eval_every else []
+
+    ops = model_ops.get(s.ops)
+    train_config = training_config(s)
+    if args.resume:
+        restored = run.restore_latest(out, s, ops)
+        tree = restored.tree
+        state = TrainState(tree["step"], tree["params"], tree["opt_state"])
+        sample_key = tree["sample_key"]
+        try:
+            loader.load_state(restored.loader)
+        except ValueError as e:
+            loader.close()
+            raise UsageError(f"--resume: {e}") from None
+        # Steps after the checkpoint were lost with the run that made them: they run again.
+        records = [r for r in report.read_metrics(out / "metrics.jsonl")
+                   if r["step"] <= restored.step]
+    else:
+        state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
+        sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
+        records = []
+        run.clear_run(out)
+
+    config = run.describe_run(s, model_config, train_config, state.params, source, sum(counts),
+                              fingerprint)
+    out.mkdir(parents=True, exist_ok=True)
+    run.write_json(run.config_path(out), config)
+    report.write_metrics(out / "metrics.jsonl", records)
+    device = jax.devices()[0]
+    print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} ops, "
+          f"{s.dtype}, on {device.device_kind} ({device.platform}); data: "
+          f"{source.description}, {sum(counts):,} training tokens; {s.batch} x {s.seq} tokens "
+          f"per step" + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
+          + (f"; resuming after step {int(state.step)}" if args.resume else "")
+          + f"; writing to {out}", flush=True)
+
+    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress,
+                      peak=peak_flops(device, s.dtype),
+                      flops_per_token=gpt2.flops_per_token(model_config, s.seq))
+    with Checkpointer(run.checkpoint_dir(out), keep=3) as checkpointer, loader:
+        state, interrupted = loop.train(state, sample_key, loader, val, checkpointer,
+                                        stop_after, args.profile)
+    report.plot_losses(records, out / "loss.png", report.plot_title(s, model_config))
+    last = int(state.step)
+    if last < s.steps:
+        print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
+              f"{run.checkpoint_dir(out)}. Continue with: train --resume --out {out}",
+              flush=True)
+        return EXIT_INTERRUPTED if interrupted else 0
+    _print_summary(records, last, out)
+    if s.sample_tokens:
+        _write_samples(s, model_config, ops, state.params, sample_key, out)
+    return 0
+
+
+def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int) -> bool:
+    """Whether there is training to do in `out`: resuming, a checkpoint to continue from that
+    is short of stop_after; starting, no earlier run there (unless --overwrite)."""
+    existing = run.checkpoint_steps(out)
+    if args.resume:
+        if not existing:
+            raise UsageError(f"--resume: {out} holds no checkpoint to continue from (nothing "
+                             f"in {run.checkpoint_dir(out)})")
+        if existing[-1] >= stop_after:
+            print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); nothing "
+                  f"to train")
+            return False
+    elif (existing or run.config_path(out).exists()) and not args.overwrite:
+        raise UsageError(f"{out} already holds a run"
+                         + (f" (checkpoint of step {existing[-1]})" if existing else "")
+                         + ": --resume continues it, --overwrite starts it again, or choose "
+                           "another --out")
+    return True
+
+
+def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None):
+    """The training data loader; resuming, over the same shards as the run's."""
+    need = s.batch * s.seq + 1
+    if max(counts) < need:
+        raise UsageError(
+            f"too few tokens for one batch: --batch {s.batch} x --seq {s.seq} needs {need} "
+            f"tokens in one shard, and the largest training shard has {max(counts)} "
+            f"({source.description}); lower --batch or --seq, or give more text")
+    loader = data.DataLoader(source.train, None, batch_size=s.batch, seq_len=s.seq,
+                             seed=s.seed)
+    if saved is not None and saved["data"]["fingerprint"] != loader.state()["shards"]:
+        loader.close()
+        raise UsageError(f"--resume: the training data differs from the run's (other shard "
+                         f"files or token counts); the run used {saved['data']['description']}")
+    return loader
+
+
+def _print_summary(records: list[dict], last: int, out: Path):
+    timed = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    print(f"done: step {last}, loss {records[-1]['loss']:.4f}"
+          + (f", val loss {val[-1]:.4f}" if val else "")
+          + (f", {np.median(timed):,.0f} tokens/s (median)" if timed else "")
+          + f"; metrics.jsonl, loss.png, config.json and ckpt/ are in {out}", flush=True)
+
+
+def _write_samples(s: TrainSettings, model_config, ops, params, sample_key, out: Path):
+    """samples.txt: two continuations of SAMPLE_PROMPT, also printed."""
+    n = min(s.sample_tokens, model_config.block_size - len(encode(SAMPLE_PROMPT)))
+    texts = generate_text(params, model_config, ops, s.dtype, SAMPLE_PROMPT, key=sample_key,
+                          max_new_tokens=n, temperature=1.0, top_k=40, num_samples=2)
+    (out / "samples.txt").write_text("".join(f"--- sample {i + 1} ---\n{t}\n"
+                                             for i, t in enumerate(texts)))
+    for i, t in enumerate(texts):
+        print(f"--- sample {i + 1} ---\n{t}")
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM ask the loop to stop after the step under way and save a checkpoint;
+    a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
+                                                        signal.default_int_handler))
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
+              f"checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _TrainLoop:
+    """The steps of one process's share of a run: timing, metrics, validation, checkpoints,
+    the profile and the progress display around the jitted train step."""
+
+    PROFILE_AFTER, PROFILE_STEPS = 3, 3
+
+    def __init__(self, s: TrainSettings, model_config, train_config, ops, out: Path,
+                 records: list, progress: bool, *, peak, flops_per_token):
+        self.s, self.model_config, self.out, self.records = s, model_config, out, records
+        self.progress = progress
+        self.peak, self.flops_per_token = peak, flops_per_token
+        self.train_step = make_train_step(model_config, train_config, ops=ops)
+        self.eval_step = make_eval_step(model_config, train_config, ops=ops)
+        self.tokens_per_step = s.batch * s.seq
+        self.throughput = report.Throughput()
+
+    def train(self, state, sample_key, loader, val_batches, checkpointer, stop_after, profile):
+        """Steps from state.step up to stop_after; returns the last state and whether a
+        signal stopped it early."""
+        s = self.s
+        start = int(state.step)
+        bar = report.Progress(start, s.steps, self.progress, every=max(1, s.steps // 20))
+        self.bar = bar
+        trace = range(start + self.PROFILE_AFTER, start + self.PROFILE_AFTER + self.PROFILE_STEPS)
+        if profile and trace.stop > stop_after:
+            bar.write(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
+                      f"this run ends after step {stop_after}: no trace")
+            profile = None
+        micro = s.batch // s.accum
+        pending = None     # (step, metrics): dispatched, not read back yet
+        timed = False      # the first step of a process compiles: it is not timed
+        interrupted = False
+        try:
+            with _StopRequest() as stop:
+                t_ref = time.perf_counter()
+                for index in range(start, stop_after):
+                    step = index + 1
+                    batch = next(loader)  # the loader never writes these arrays again
+                    inputs = jax.device_put(batch.inputs.reshape(s.accum, micro, -1))
+                    targets = jax.device_put(batch.targets.reshape(s.accum, micro, -1))
+                    if profile and index == trace.start:
+                        jax.profiler.start_trace(str(profile))
+                    state, metrics = self.train_step(state, inputs, targets)
+                    if pending is not None:  # read the previous step while this one runs
+                        record, t_ref = self._finish(*pending, t_ref, timed)
+                        timed = True
+                        self._log(record)
+                    pending = (step, metrics)
+                    eval_due = bool(val_batches) and (step % s.eval_every == 0
+                                                      or step == s.steps)
+                    save_due = bool(s.save_every) and step % s.save_every == 0
+                    last = step == stop_after or stop.requested
+                    trace_end = bool(profile) and step == trace.stop
+                    if not (eval_due or save_due or last or trace_end):
+                        continue
+                    record, _ = self._finish(*pending, t_ref, timed)
+                    pending, timed = None, True
+                    if trace_end:
+                        jax.profiler.stop_trace()
+                        bar.write(f"profile of steps {trace.start + 1}-{step} written to "
+                                  f"{profile}")
+                    if eval_due:
+                        record["val_loss"] = self._evaluate(state.params, val_batches)
+                    self._log(record)
+                    if eval_due:
+                        report.plot_losses(self.records, self.out / "loss.png",
+                                           report.plot_title(s, self.model_config))
+                    if save_due or last:
+                        checkpointer.save(step, run.checkpoint_tree(state, sample_key),
+                                          loader=loader.state(), config=dataclasses.asdict(s))
+                    if stop.requested:
+                        interrupted = step < stop_after
+                        break
+                    t_ref = time.perf_counter()  # evaluating and saving are not step time
+        finally:
+            bar.close()
+        return state, interrupted
+
+    def _finish(self, step, metrics, t_ref, timed):
+        """Reads back a step's metrics (waiting for the step to end); its record, and the
+        time it was read back, which is where the next step's time starts."""
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        seconds = now - t_ref
+        rate = self.tokens_per_step / seconds if timed else None
+        if timed:
+            self.throughput.add(seconds)
+        record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                  "tokens_per_s": rate, "step_time_s": seconds,
+                  "mfu": report.mfu(rate, self.flops_per_token, self.peak)}
+        if not math.isfinite(m["loss"]):
+            self.bar.write(f"warning: the loss of step {step} is {m['loss']}")
+        return record, now
+
+    def _evaluate(self, params, val_batches) -> float:
+        losses = [self.eval_step(params, x, y) for x, y in val_batches]
+        return float(np.mean(jax.device_get(losses)))
+
+    def _log(self, record):
+        self.records.append(record)
+        report.append_metrics(self.out / "metrics.jsonl", record)
+        rate = self.throughput.tokens_per_s(self.tokens_per_step)
+        self.bar.update(record, report.mfu(rate, self.flops_per_token, self.peak), rate)
