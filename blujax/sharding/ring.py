@@ -13,7 +13,8 @@ With the chunks visiting from device s, chunk a = r and b = 2n-1-r of the querie
     s > r: chunk a sees neither, chunk b sees both wholly.
 So after the first step every step is one non-causal block of 2c x c or c x 2c (c = the chunk
 length). Gradients flow back through the same ring: JAX transposes each ppermute into the
-reverse one and the attention op takes a cotangent for its lse.
+reverse one and the attention op takes a cotangent for its lse. Autodiff keeps every visiting
+block for the backward (n - 1 blocks of K and V per layer; with remat, per layer at a time).
 """
 
 from __future__ import annotations
@@ -46,12 +47,10 @@ def ring_attention(q, k, v, *, attention_with_lse, axis_name: str, axis_size: in
     values [B, 2c, H, D] of all `axis_size` devices of `axis_name`. Call inside shard_map.
     attention_with_lse: (q, k, v, causal=) -> (out, lse), e.g. blujax.kernels'."""
     n = axis_size
-    out, lse = attention_with_lse(q, k, v, causal=True)  # the local chunks: s == r
     if n == 1:
-        return out
+        return attention_with_lse(q, k, v, causal=True)[0]
     r = jax.lax.axis_index(axis_name)
     c = q.shape[1] // 2
-    out = out.astype(jnp.float32)
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def from_earlier(q, k, v):  # s < r: all queries, the visiting first chunk
@@ -62,14 +61,23 @@ def ring_attention(q, k, v, *, attention_with_lse, axis_name: str, axis_size: in
         return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
                 jnp.concatenate([jnp.full_like(l, -jnp.inf), l], axis=2))
 
+    def visit(out, lse, k, v, i):  # the blocks of device s = r - i
+        o, l = jax.lax.cond((r - i) % n < r, from_earlier, from_later, q, k, v)
+        return _merge(out, lse, o, l)
+
+    # Each transfer is issued before the attention of the blocks in hand and does not depend
+    # on it, so the two can overlap.
+    k_in, v_in = jax.lax.ppermute((k, v), axis_name, perm)
+    out, lse = attention_with_lse(q, k, v, causal=True)  # the local chunks: s == r
+    out = out.astype(jnp.float32)
+
     def step(carry, i):
         out, lse, k, v = carry
-        k, v = jax.lax.ppermute((k, v), axis_name, perm)
-        src = (r - i) % n
-        o, l = jax.lax.cond(src < r, from_earlier, from_later, q, k, v)
-        return (*_merge(out, lse, o, l), k, v), None
+        k_in, v_in = jax.lax.ppermute((k, v), axis_name, perm)
+        return (*visit(out, lse, k, v, i), k_in, v_in), None
 
-    (out, lse, _, _), _ = jax.lax.scan(step, (out, lse, k, v), jnp.arange(1, n))
+    (out, lse, k, v), _ = jax.lax.scan(step, (out, lse, k_in, v_in), jnp.arange(1, n - 1))
+    out, _ = visit(out, lse, k, v, n - 1)
     return out.astype(q.dtype)
 
 

@@ -114,7 +114,8 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
         check_batch(inputs.shape, sizes, config)
         layout = Layout.of(state.params, sizes, shard_optimizer)
         specs = layout.state_specs(state)
-        run = jax.shard_map(partial(body, layout), mesh=mesh, in_specs=(specs, _MICRO_BATCHES, _MICRO_BATCHES),
+        run = jax.shard_map(partial(body, layout), mesh=mesh,
+                            in_specs=(specs, _MICRO_BATCHES, _MICRO_BATCHES),
                             out_specs=(specs, P()))
         cp = sizes[CONTEXT]
         return run(state, zigzag(inputs, cp), zigzag(targets, cp))
