@@ -86,11 +86,14 @@ def adamw(
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
 
         # One kernel call per (dtype, decays) group: all leaves of a group share hparams.
+        # Inside shard_map also per set of varying mesh axes: one call's results all get the
+        # union of its operands' axes, and a replicated leaf must stay replicated.
         groups: dict[tuple, list[int]] = {}
         for i, (g, d) in enumerate(zip(grads, decays)):
-            groups.setdefault((jnp.dtype(g.dtype), d), []).append(i)
+            varying = tuple(sorted(jax.typeof(g).manual_axis_type.varying))
+            groups.setdefault((jnp.dtype(g.dtype), d, varying), []).append(i)
         new_u, new_mu, new_nu = [None] * len(grads), list(mu), list(nu)
-        for (dtype, decays_here), idx in groups.items():
+        for (dtype, decays_here, _), idx in groups.items():
             hparams = _hparams(lr, weight_decay if decays_here else 0.0, count_inc, b1, b2,
                                moment_dtype(dtype))
             u, m, v = ops.adamw_update_many(

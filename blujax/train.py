@@ -83,12 +83,14 @@ def schedule(tcfg: TrainConfig):
 
 def make_optimizer(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW; biases and LayerNorm parameters do not decay."""
+    return optax.chain(optax.clip_by_global_norm(tcfg.grad_clip), make_adamw(tcfg, ops))
+
+
+def make_adamw(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
+    """make_optimizer's AdamW alone (a sharded step clips by the norm over all devices)."""
     adamw = optim.adamw if ops is kernels else optax.adamw
-    return optax.chain(
-        optax.clip_by_global_norm(tcfg.grad_clip),
-        adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
-              weight_decay=tcfg.weight_decay, mask=gpt2.decay_mask),
-    )
+    return adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
+                 weight_decay=tcfg.weight_decay, mask=gpt2.decay_mask)
 
 
 def init_state(config: gpt2.GPT2Config, tcfg: TrainConfig, key, ops=kernels) -> TrainState:

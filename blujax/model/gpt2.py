@@ -133,17 +133,23 @@ def cast(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat: bool = False):
+def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat: bool = False,
+            parallel=None):
     """Logits [B, T, padded_vocab_size] in `dtype` for int tokens [B, T], T <= block_size.
 
     The float32 params are cast to `dtype` (bfloat16: mixed precision; the kernels keep their
     statistics in float32). remat=True recomputes each block's activations in the backward
     (`jax.checkpoint`) instead of keeping them.
+
+    parallel: None on one device. Inside `shard_map`, a `blujax.sharding.Parallel`: the
+    params and tokens are then this device's shards and the logits its block
+    [B, T_local, padded_vocab_size / tensor] (see blujax/sharding/parallel.py).
     """
     check_tokens(tokens, config)
     p = cast(params, dtype)
-    attend = partial(_attend, ops)
-    block = partial(_block, n_head=config.n_head, ops=ops, attend=attend)
+    par = ONE_DEVICE if parallel is None else parallel
+    attend = par.attend(ops)
+    block = partial(_block, n_head=config.n_head, ops=ops, attend=attend, par=par)
 
     def step(carry, layer):
         s, d, _ = block(layer, *carry)
@@ -151,9 +157,9 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
 
     if remat:
         step = jax.checkpoint(step)
-    tok, pos = _embed(p, tokens)
+    tok, pos = par.embed(p, tokens)
     (s, d), _ = jax.lax.scan(step, (pos, tok), p["blocks"])
-    return _head(p, s, d, ops)
+    return _head(p, s, d, ops, par)
 
 
 def check_tokens(tokens, config: GPT2Config):
@@ -173,25 +179,56 @@ def _embed(p, tokens, start=0):
     return tok, jnp.broadcast_to(pos, tok.shape)
 
 
-def _head(p, s, d, ops):
+class _OneDevice:
+    """The hooks `forward` calls where a parallel run communicates; on one device, nothing.
+
+    embed: (token, position) embeddings; gather: a LayerNorm output before a column-parallel
+    product; reduce: a row-parallel product's partial sums; attend: the attention function.
+    """
+
+    @staticmethod
+    def embed(p, tokens):
+        return _embed(p, tokens)
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    @staticmethod
+    def reduce(x):
+        return x
+
+    @staticmethod
+    def attend(ops):
+        return partial(_attend, ops)
+
+
+ONE_DEVICE = _OneDevice()
+
+
+def _head(p, s, d, ops, par=ONE_DEVICE):
     h, _ = ops.add_layer_norm(d, s, p["ln_f"]["w"], p["ln_f"]["b"])
-    return h @ p["wte"].T
+    return par.gather(h) @ p["wte"].T
 
 
 def _attend(ops, q, k, v):
     return ops.attention(q, k, v, causal=True), (k, v)
 
 
-def _block(layer, s, d, *, n_head, ops, attend):
+def _block(layer, s, d, *, n_head, ops, attend, par=ONE_DEVICE):
     """One transformer block. s: the residual stream so far; d: the previous sublayer's output,
     still to be added to it. Returns the new (s, d) and what `attend` returned beside the
-    attention output (the layer's k, v for a KV cache)."""
-    B, T, C = s.shape
+    attention output (the layer's k, v for a KV cache). Under tensor parallelism `par` gathers
+    the sequence before each column-parallel product and reduces after each row-parallel one;
+    this device then holds n_head / tensor of the heads."""
+    C = s.shape[-1]
     h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"])
-    qkv = (h @ layer["attn"]["w"] + layer["attn"]["b"]).reshape(B, T, 3, n_head, C // n_head)
+    h = par.gather(h)
+    B, T, _ = h.shape
+    qkv = (h @ layer["attn"]["w"] + layer["attn"]["b"]).reshape(B, T, 3, -1, C // n_head)
     a, kv = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-    a = a.reshape(B, T, C) @ layer["attn_proj"]["w"] + layer["attn_proj"]["b"]
+    a = par.reduce(a.reshape(B, T, -1) @ layer["attn_proj"]["w"]) + layer["attn_proj"]["b"]
     h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"])
-    f = ops.gelu(h @ layer["mlp_fc"]["w"], layer["mlp_fc"]["b"])
-    m = f @ layer["mlp_proj"]["w"] + layer["mlp_proj"]["b"]
+    f = ops.gelu(par.gather(h) @ layer["mlp_fc"]["w"], layer["mlp_fc"]["b"])
+    m = par.reduce(f @ layer["mlp_proj"]["w"]) + layer["mlp_proj"]["b"]
     return s, m, kv

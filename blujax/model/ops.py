@@ -34,6 +34,10 @@ XLA = types.SimpleNamespace(
     gelu=xla.gelu,
     softmax_cross_entropy=xla.softmax_cross_entropy,
     attention=_dot_product_attention,
+    # The parallel forms (blujax.sharding): ring attention merges partial results through
+    # the log-sum-exp; tensor parallelism splits the vocabulary.
+    attention_with_lse=xla.attention_with_lse,
+    vocab_parallel_softmax_cross_entropy=xla.vocab_parallel_softmax_cross_entropy,
 )
 
 

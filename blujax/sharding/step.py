@@ -1,0 +1,254 @@
+"""The GPT-2 train step as one shard_map over a ("data", "tensor", "context") mesh.
+
+    mesh = make_mesh(data=2, tensor=2, context=2)
+    state = init_sharded_state(config, tcfg, jax.random.key(0), mesh)
+    step = make_sharded_train_step(config, tcfg, mesh)
+    state, metrics = step(state, inputs, targets)      # global int32 [accum_steps, B, T]
+
+The same arithmetic as `blujax.train.make_train_step`, per device: the model is
+`gpt2.forward` with the `Parallel` hooks (sequence-parallel Megatron layers over "tensor",
+ring attention over "context"), the loss the vocabulary-parallel cross-entropy, and every
+collective is explicit. Each device keeps its own copy of the parameters' gradients through
+the micro-batches; then one all-reduce per leaf over the axes it is replicated on (or, with
+shard_optimizer, a reduce-scatter over "data" and the AdamW step on this device's piece,
+followed by an all-gather of the new parameters: ZeRO-1). Gradient clipping uses the norm over
+all devices.
+
+The state keeps the params in the parallel layout (specs.py); `unshard_params` gives the
+model's layout back (for checkpoints, sampling, comparisons).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from blujax import kernels, train
+from blujax.model import gpt2
+from blujax.sharding.mesh import (AXES, CONTEXT, DATA, TENSOR, check_batch, check_model,
+                                  mesh_sizes)
+from blujax.sharding.parallel import Parallel, vary
+from blujax.sharding.ring import zigzag
+from blujax.sharding.specs import (Layout, from_parallel_layout, state_shardings,
+                                   to_parallel_state)
+
+# A batch [B, T]: sequences over "data", each sequence (zig-zag ordered) over "context"; the
+# train step's [accum_steps, B, T].
+_BATCH = P(DATA, CONTEXT)
+_MICRO_BATCHES = P(None, DATA, CONTEXT)
+
+
+def init_sharded_state(config: gpt2.GPT2Config, tcfg: train.TrainConfig, key, mesh,
+                       ops=kernels, *, shard_optimizer: bool = False) -> train.TrainState:
+    """train.init_state's state (the same values for the same key), built directly in its
+    shards on `mesh`, in the parallel layout."""
+    def init(key):
+        return to_parallel_state(train.init_state(config, tcfg, key, ops))
+
+    shardings = state_shardings(jax.eval_shape(init, key), mesh, shard_optimizer)
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
+def shard_state(state: train.TrainState, mesh, *, shard_optimizer: bool = False):
+    """A single-device TrainState (say, a restored checkpoint) placed on `mesh`."""
+    state = to_parallel_state(state)
+    return jax.device_put(state, state_shardings(state, mesh, shard_optimizer))
+
+
+def unshard_params(params):
+    """The model's params (global arrays) from the sharded state's."""
+    return jax.jit(from_parallel_layout)(params)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """How a global batch [accum_steps, B, T] is best placed: B over "data". (On several
+    hosts, build it with jax.make_array_from_process_local_data(batch_sharding(mesh), ...).)"""
+    return NamedSharding(mesh, P(None, DATA))
+
+
+def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mesh, ops=kernels,
+                            *, shard_optimizer: bool = False):
+    """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
+
+    state: from init_sharded_state / shard_state with the same shard_optimizer. inputs,
+    targets: int32 [accum_steps, B, T], global; B divisible by "data", T by 2 x "context"
+    (when "context" > 1) and T / "context" by "tensor". metrics as train.make_train_step's.
+    """
+    sizes = mesh_sizes(mesh)
+    check_model(config, sizes)
+    adamw = train.make_adamw(tcfg, ops)
+    lr_at = train.schedule(tcfg)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
+                   remat=tcfg.remat, par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+
+    def body(layout, state, inputs, targets):
+        n_tokens = inputs.shape[1] * inputs.shape[2] * sizes[DATA] * sizes[CONTEXT]
+        value, grads = _accumulate(partial(loss, n_tokens=n_tokens), state.params, inputs,
+                                   targets)
+        grads = _reduce(grads, layout)
+        norm = _global_norm(grads, layout)
+        trigger = norm < tcfg.grad_clip  # optax.clip_by_global_norm, with the global norm
+        clipped = jax.tree.map(
+            lambda g: jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * tcfg.grad_clip),
+            grads)
+        clip_state, adam_state = state.opt_state  # train.make_optimizer's chain
+        params = _zero_pieces(state.params, layout)
+        updates, adam_state = adamw.update(clipped, adam_state, params)
+        params = _zero_gather(optax.apply_updates(params, updates), layout)
+        metrics = {"loss": jax.lax.psum(value, (DATA, CONTEXT)), "grad_norm": norm,
+                   "lr": lr_at(state.step).astype(jnp.float32)}
+        return train.TrainState(state.step + 1, params, (clip_state, adam_state)), metrics
+
+    def step(state, inputs, targets):
+        if inputs.ndim != 3 or inputs.shape != targets.shape:
+            raise ValueError(f"sharded train step: inputs and targets must both be "
+                             f"[accum_steps, B, T], got {inputs.shape} and {targets.shape}")
+        if inputs.shape[0] != tcfg.accum_steps:
+            raise ValueError(f"sharded train step: the leading axis ({inputs.shape[0]}) must "
+                             f"be accum_steps ({tcfg.accum_steps})")
+        check_batch(inputs.shape, sizes, config)
+        layout = Layout.of(state.params, sizes, shard_optimizer)
+        specs = layout.state_specs(state)
+        run = jax.shard_map(partial(body, layout), mesh=mesh,
+                            in_specs=(specs, _MICRO_BATCHES, _MICRO_BATCHES),
+                            out_specs=(specs, P()))
+        cp = sizes[CONTEXT]
+        return run(state, zigzag(inputs, cp), zigzag(targets, cp))
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_sharded_value_and_grad(config: gpt2.GPT2Config, mesh, ops=kernels, *,
+                                dtype=jnp.float32, remat: bool = False):
+    """f(params, inputs, targets) -> (mean loss, grads), jitted: train.loss_fn and its
+    gradient over the mesh, for parallel-layout params and global int32 [B, T] batches."""
+    sizes = mesh_sizes(mesh)
+    check_model(config, sizes)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=dtype, remat=remat,
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+
+    def body(layout, params, inputs, targets):
+        n_tokens = inputs.size * sizes[DATA] * sizes[CONTEXT]
+        value, grads = _accumulate(partial(loss, n_tokens=n_tokens), params, inputs[None],
+                                   targets[None])
+        return jax.lax.psum(value, (DATA, CONTEXT)), _reduce(grads, layout)
+
+    def f(params, inputs, targets):
+        check_batch(inputs.shape, sizes, config)
+        layout = Layout.of(params, sizes)
+        specs = layout.param_specs()
+        run = jax.shard_map(partial(body, layout), mesh=mesh,
+                            in_specs=(specs, _BATCH, _BATCH), out_specs=(P(), specs))
+        cp = sizes[CONTEXT]
+        return run(params, zigzag(inputs, cp), zigzag(targets, cp))
+
+    return jax.jit(f)
+
+
+def make_sharded_eval_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mesh, ops=kernels):
+    """eval_step(params, inputs, targets) -> mean loss (float32) over global int32 [B, T]
+    batches, for parallel-layout params (train.make_eval_step over the mesh)."""
+    sizes = mesh_sizes(mesh)
+    check_model(config, sizes)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype, remat=False,
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+
+    def body(params, inputs, targets):
+        n_tokens = inputs.size * sizes[DATA] * sizes[CONTEXT]
+        return jax.lax.psum(loss(params, inputs, targets, n_tokens=n_tokens), (DATA, CONTEXT))
+
+    def f(params, inputs, targets):
+        check_batch(inputs.shape, sizes, config)
+        specs = Layout.of(params, sizes).param_specs()
+        run = jax.shard_map(body, mesh=mesh, in_specs=(specs, _BATCH, _BATCH),
+                            out_specs=P())
+        cp = sizes[CONTEXT]
+        return run(params, zigzag(inputs, cp), zigzag(targets, cp))
+
+    return jax.jit(f)
+
+
+# --- per device ----------------------------------------------------------------------------------
+
+def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, par, n_tokens):
+    """This device's share of the mean loss: the sum of its tokens' losses / n_tokens (all
+    tokens of the micro-batch), so the shares add up to train.loss_fn over "data" and
+    "context"; the same on every device of "tensor"."""
+    logits = gpt2.forward(from_parallel_layout(params), inputs, config=config, ops=ops,
+                          dtype=dtype, remat=remat, parallel=par)
+    vocab = logits.shape[-1]  # this device's slice of the padded vocabulary
+    ids = jax.lax.axis_index(TENSOR) * vocab + jnp.arange(vocab)
+    # The padded columns never enter the softmax, as loss_fn's slice [..., :vocab_size] does.
+    logits = jnp.where(ids < config.vocab_size, logits, -jnp.inf)
+    losses = ops.vocab_parallel_softmax_cross_entropy(
+        logits.reshape(-1, vocab), targets.reshape(-1), axis_name=TENSOR)
+    return jnp.sum(losses) / n_tokens
+
+
+def _accumulate(loss, params, inputs, targets):
+    """(loss share, grads) summed over the micro-batches [accum, B, T], then averaged.
+
+    The params are cast to varying over every axis first: each device's gradient is then its
+    own contribution, and the reduction over devices happens once, after the last micro-batch
+    (_reduce), instead of inside every backward.
+    """
+    params = vary(params)
+    grad = jax.value_and_grad(loss)
+
+    def micro(acc, batch):
+        return jax.tree.map(jnp.add, acc, grad(params, *batch)), None
+
+    zero = (vary(jnp.zeros([], jnp.float32), (DATA, CONTEXT)), jax.tree.map(jnp.zeros_like, params))
+    (value, grads), _ = jax.lax.scan(micro, zero, (inputs, targets))
+    n = inputs.shape[0]
+    return value / n, jax.tree.map(lambda g: g / n, grads)
+
+
+def _reduce(grads, layout):
+    """Each gradient summed over the devices that share its leaf: all-reduce over the axes it
+    is replicated on; with a ZeRO axis, reduce-scatter over "data" along it instead."""
+    out = []
+    for g, t, z in zip(layout.treedef.flatten_up_to(grads), layout.tensor_axes,
+                       layout.zero_axes):
+        replicated = tuple(a for a in AXES if not (a == TENSOR and t is not None)
+                           and not (a == DATA and z is not None))
+        g = jax.lax.psum(g, replicated)
+        if z is not None:
+            g = jax.lax.psum_scatter(g, DATA, scatter_dimension=z, tiled=True)
+        out.append(g)
+    return layout.treedef.unflatten(out)
+
+
+def _global_norm(grads, layout):
+    """optax.tree.norm of the whole (unsharded) gradient: squares summed per device, then
+    over the axes each leaf is split along."""
+    sums = {}
+    for g, t, z in zip(layout.treedef.flatten_up_to(grads), layout.tensor_axes,
+                       layout.zero_axes):
+        axes = (TENSOR,) * (t is not None) + (DATA,) * (z is not None)
+        sums[axes] = sums.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+    return jnp.sqrt(sum(jax.lax.psum(s, axes) if axes else s for axes, s in sums.items()))
+
+
+def _zero_pieces(params, layout):
+    """This device's piece of each leaf along its ZeRO axis (the part it updates)."""
+    def piece(p, z):
+        if z is None:
+            return p
+        n = p.shape[z] // jax.lax.axis_size(DATA)
+        return jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(DATA) * n, n, axis=z)
+
+    return layout.treedef.unflatten(
+        [piece(p, z) for p, z in zip(layout.treedef.flatten_up_to(params), layout.zero_axes)])
+
+
+def _zero_gather(params, layout):
+    """The updated pieces put together again on every device of "data"."""
+    return layout.treedef.unflatten([
+        p if z is None else jax.lax.all_gather(p, DATA, axis=z, tiled=True, to="invarying")
+        for p, z in zip(layout.treedef.flatten_up_to(params), layout.zero_axes)])
