@@ -43,8 +43,10 @@ def _program_bytes(compiled) -> int | None:
         return None
 
 
-def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir=None):
-    tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat)
+def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir=None,
+            scan_layers=None):
+    tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat,
+                             scan_layers=scan_layers)
     ops = model_ops.get(ops_name)
     state = train.init_state(config, tcfg, jax.random.key(0), ops)
     step = train.make_train_step(config, tcfg, ops)
@@ -70,6 +72,7 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir
     peak = train.peak_flops(jax.devices()[0], dtype)
     flops = gpt2.flops_per_token(config, seq) * tok_s
     row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": seq, "remat": remat,
+           "scan_layers": scan_layers,
            "step_ms": step_s * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12,
            "mfu": flops / peak if peak else None,
            "program_gb": mem / 1e9 if mem is not None else None,
@@ -125,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16,f32", help="compute dtypes: bf16, f32")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--remat", action="store_true", help="recompute block activations")
+    p.add_argument("--scan-layers", default="auto", choices=("auto", "on", "off"),
+                   help="run the blocks under lax.scan (on), as a Python loop (off), or as "
+                        "gpt2.forward picks: a loop on GPUs (auto, the default)")
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)
@@ -132,13 +138,14 @@ def main(argv=None) -> int:
     rows = []
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {a.model}, "
           f"T={a.seq}, {gpt2.flops_per_token(config, a.seq) / 1e6:.1f}M FLOP/token", flush=True)
+    scan_layers = {"auto": None, "on": True, "off": False}[a.scan_layers]
     first = True
     for dtype in a.dtype.split(","):
         for batch in (int(b) for b in a.batch.split(",")):
             for ops_name in a.ops.split(","):
                 try:
                     row = run_one(config, a.seq, batch, ops_name, dtype, a.steps, a.remat,
-                                  a.profile if first else None)
+                                  a.profile if first else None, scan_layers)
                 except Exception as e:  # out of memory, say: record it, go on
                     msg = str(e).splitlines()[0][:160]
                     row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": a.seq,

@@ -43,6 +43,7 @@ class TrainConfig:
     accum_steps: int = 1
     dtype: str = "bf16"
     remat: bool = False
+    scan_layers: bool | None = None  # see gpt2.forward; None: a loop on GPUs, a scan elsewhere
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -99,9 +100,11 @@ def init_state(config: gpt2.GPT2Config, tcfg: TrainConfig, key, ops=kernels) -> 
     return TrainState(jnp.zeros([], jnp.int32), params, opt_state)
 
 
-def loss_fn(params, inputs, targets, *, config, ops, dtype=jnp.float32, remat=False):
+def loss_fn(params, inputs, targets, *, config, ops, dtype=jnp.float32, remat=False,
+            scan_layers=None):
     """Mean next-token cross-entropy (float32) of int [B, T] inputs against [B, T] targets."""
-    logits = gpt2.forward(params, inputs, config=config, ops=ops, dtype=dtype, remat=remat)
+    logits = gpt2.forward(params, inputs, config=config, ops=ops, dtype=dtype, remat=remat,
+                          scan_layers=scan_layers)
     # The padded vocabulary columns are left out of the softmax (without slicing a copy).
     losses = ops.softmax_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                        num_classes=config.vocab_size)
@@ -117,7 +120,8 @@ def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
     optimizer = make_optimizer(tcfg, ops)
     lr_at = schedule(tcfg)
     grad_fn = jax.value_and_grad(partial(loss_fn, config=config, ops=ops,
-                                         dtype=tcfg.compute_dtype, remat=tcfg.remat))
+                                         dtype=tcfg.compute_dtype, remat=tcfg.remat,
+                                         scan_layers=tcfg.scan_layers))
 
     def step(state: TrainState, inputs, targets):
         _check_batch(inputs, targets, tcfg)

@@ -18,6 +18,7 @@ import blujax.data
 from blujax import sample, train
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
+from tests.util import rel_close, without_key_bias
 
 # head_dim 64 (the GPU attention kernel's size), a small vocabulary to keep the CPU fast.
 CONFIG = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=128, block_size=64, vocab_size=500,
@@ -27,25 +28,6 @@ FFI, XLA = model_ops.get("ffi"), model_ops.get("xla")
 
 def _tokens(seed, shape, vocab=CONFIG.vocab_size):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab, jnp.int32)
-
-
-def _rel_close(a, b, rtol):
-    """Every leaf: max |a - b| <= rtol * max |b|."""
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        err, scale = np.max(np.abs(x - y)), np.max(np.abs(y))
-        assert err <= rtol * scale, f"{jax.tree_util.keystr(path)}: {err:.3e} vs scale {scale:.3e}"
-
-
-def _without_key_bias(params):
-    """The params with the attention's key bias zeroed. Softmax is invariant to it, so its
-    gradient is rounding noise, which Adam's normalisation turns into steps of +-lr: two exact
-    implementations differ there by design."""
-    b = params["blocks"]["attn"]["b"]
-    C = b.shape[-1] // 3
-    blocks = {**params["blocks"], "attn": {**params["blocks"]["attn"],
-                                           "b": b.at[:, C:2 * C].set(0.0)}}
-    return {**params, "blocks": blocks}
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +90,22 @@ def test_loss_and_grads_match_xla(remat):
     (loss, g), (loss_x, g_x) = grads(FFI), grads(XLA)
     assert 5.5 < float(loss_x) < 7.5  # about log(500) for a fresh model
     np.testing.assert_allclose(float(loss), float(loss_x), rtol=1e-5)
-    _rel_close(g, g_x, 1e-5)
+    rel_close(g, g_x, 1e-5)
+
+
+def test_python_loop_equals_scan():
+    """scan_layers=False (the GPU default) computes what the scan computes."""
+    params = gpt2.init(CONFIG, jax.random.key(1))
+    tokens = _tokens(3, (2, 17))
+
+    def grads(scan_layers):
+        f = jax.value_and_grad(train.loss_fn)
+        return jax.jit(lambda p: f(p, tokens[:, :-1], tokens[:, 1:], config=CONFIG, ops=FFI,
+                                   scan_layers=scan_layers))(params)
+
+    (loss, g), (loss_s, g_s) = grads(False), grads(True)
+    np.testing.assert_allclose(float(loss), float(loss_s), rtol=1e-6)
+    rel_close(g, g_s, 1e-6)
 
 
 def test_train_steps_match_xla():
@@ -128,7 +125,7 @@ def test_train_steps_match_xla():
     assert losses["ffi"][-1] < losses["ffi"][0] - 1.0
     # Adam divides by sqrt(v): where a gradient is tiny, rounding differences grow to a fraction
     # of a step, so the params agree less tightly than the losses.
-    _rel_close(*(_without_key_bias(losses[n + "_params"]) for n in ("ffi", "xla")), 1e-3)
+    rel_close(*(without_key_bias(losses[n + "_params"]) for n in ("ffi", "xla")), 1e-3)
 
 
 def test_accumulation_equals_one_big_batch():
@@ -143,7 +140,7 @@ def test_accumulation_equals_one_big_batch():
     np.testing.assert_allclose(float(s1[1]["loss"]), float(s2[1]["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(s1[1]["grad_norm"]), float(s2[1]["grad_norm"]), rtol=1e-5)
     # Within a thousandth of one Adam step (see test_train_steps_match_xla).
-    _rel_close(_without_key_bias(s1[0].params), _without_key_bias(s2[0].params), 1e-3)
+    rel_close(without_key_bias(s1[0].params), without_key_bias(s2[0].params), 1e-3)
     with pytest.raises(ValueError, match="accum_steps"):
         train.make_train_step(CONFIG, tcfg2)(s2[0], tokens[None, :, :-1], tokens[None, :, 1:])
 

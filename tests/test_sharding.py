@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from blujax import sharding, train
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
+from tests.util import rel_close, without_key_bias
 
 # head_dim 64 (the GPU attention kernel's size), heads divisible by tensor = 4, a small
 # vocabulary (padded to 512, which 8 divides) to keep the CPU fast.
@@ -24,32 +25,29 @@ MESHES = [(8, 1, 1), (1, 4, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2), (2, 4, 1)]
 TCFG = train.TrainConfig(steps=5, warmup_steps=1, learning_rate=1e-3, accum_steps=2, dtype="f32")
 
 
+def _devices():
+    """Eight devices: the default backend's where it has them (8 GPUs), else the emulated CPUs
+    (a machine with one GPU runs this file on its CPU)."""
+    devices = jax.devices()
+    return devices if len(devices) >= 8 else jax.devices("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mesh_platform():
+    # Full float32 dots on a GPU too (XLA's default there is TF32), as the tolerances assume.
+    with jax.default_device(_devices()[0]), jax.default_matmul_precision("float32"):
+        yield
+
+
 def _mesh(shape):
     """A mesh over the first data x tensor x context devices ((1, 4, 1) uses 4 of the 8)."""
-    return sharding.make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+    return sharding.make_mesh(*shape, devices=_devices()[:int(np.prod(shape))])
 
 
 def _tokens(seed, shape):
     return jax.random.randint(jax.random.key(seed), shape, 0, CONFIG.vocab_size, jnp.int32)
 
 
-def _rel_close(a, b, rtol):
-    """Every leaf: max |a - b| <= rtol * max |b|."""
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        err, scale = np.max(np.abs(x - y)), np.max(np.abs(y))
-        assert err <= rtol * scale, f"{jax.tree_util.keystr(path)}: {err:.3e} vs scale {scale:.3e}"
-
-
-def _without_key_bias(params):
-    """The params with the attention's key bias zeroed. Softmax is invariant to it, so its
-    gradient is rounding noise, which Adam's normalisation turns into steps of +-lr: two exact
-    implementations differ there by design (as in test_gpt2.py)."""
-    b = params["blocks"]["attn"]["b"]
-    C = b.shape[-1] // 3
-    blocks = {**params["blocks"], "attn": {**params["blocks"]["attn"],
-                                           "b": b.at[:, C:2 * C].set(0.0)}}
-    return {**params, "blocks": blocks}
 
 
 @functools.cache
@@ -97,7 +95,7 @@ def test_loss_and_grads_match_one_device(mesh_shape):
     loss, grads = f(params, tokens[:, :-1], tokens[:, 1:])
     loss_1, grads_1 = _one_device_grads()
     np.testing.assert_allclose(float(loss), float(loss_1), rtol=1e-5)
-    _rel_close(sharding.unshard_params(grads), grads_1, 1e-5)
+    rel_close(sharding.unshard_params(grads), grads_1, 1e-5)
 
 
 def test_eval_step_on_xla_ops():
@@ -135,9 +133,9 @@ def test_five_steps_match_one_device(mesh_shape, shard_optimizer):
     # compared in Adam steps: each within a quarter of one step (lr) of the one-device run.
     # (Measured: up to 0.12 lr; our kernels and XLA's, both on one device, differ by 0.06 lr.
     # The losses above, at 1e-5 every step, are the tight check of the trajectory.)
-    got = _without_key_bias(sharding.unshard_params(state.params))
+    got = without_key_bias(sharding.unshard_params(state.params))
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got),
-                            jax.tree.leaves(_without_key_bias(params_1))):
+                            jax.tree.leaves(without_key_bias(params_1))):
         err = float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
         assert err <= 0.25 * TCFG.learning_rate, f"{jax.tree_util.keystr(path)}: {err:.3e}"
     # Where the state lives: vocabulary rows over "tensor"; with ZeRO the moments over "data".
@@ -179,7 +177,7 @@ def test_ring_attention_matches_causal_attention():
         q, k, v)
     want = jax.value_and_grad(lambda *a: loss(FFI.attention, *a), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
-    _rel_close(got[1], want[1], 1e-5)
+    rel_close(got[1], want[1], 1e-5)
 
 
 def test_bad_meshes_and_batches_raise():

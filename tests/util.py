@@ -46,3 +46,22 @@ def cpu_float64():
 def mesh_devices():
     """The devices a sharded test spreads over: the GPUs on a GPU machine, else 8 CPUs."""
     return jax.devices()
+
+
+def rel_close(a, b, rtol):
+    """Every leaf of pytrees a and b: max |a - b| <= rtol * max |b|."""
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        err, scale = np.max(np.abs(x - y)), np.max(np.abs(y))
+        assert err <= rtol * scale, f"{jax.tree_util.keystr(path)}: {err:.3e} vs scale {scale:.3e}"
+
+
+def without_key_bias(params):
+    """GPT-2 params with the attention's key bias zeroed. Softmax is invariant to it, so its
+    gradient is rounding noise, which Adam's normalisation turns into steps of +-lr: two exact
+    implementations differ there by design."""
+    b = params["blocks"]["attn"]["b"]
+    C = b.shape[-1] // 3
+    blocks = {**params["blocks"], "attn": {**params["blocks"]["attn"],
+                                           "b": b.at[:, C:2 * C].set(0.0)}}
+    return {**params, "blocks": blocks}

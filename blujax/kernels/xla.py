@@ -111,12 +111,19 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     return attention_with_lse(q, k, v, causal=causal, scale=scale)[0]
 
 
-def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_index: int = -1):
+def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_index: int = -1,
+                                         num_classes: int | None = None):
     """softmax_cross_entropy of logits [N, V] split along the vocabulary over `axis_name`
     (inside shard_map: device i holds classes [i * V, (i + 1) * V)); targets [N] are global
-    ids. The per-row loss is the same on every device of the axis."""
+    ids. The per-row loss is the same on every device of the axis. Global columns from
+    num_classes on (a padded vocabulary) are left out."""
     x = logits.astype(_compute_dtype(logits.dtype))
     vocab = x.shape[-1]
+    total = vocab * jax.lax.axis_size(axis_name)
+    if num_classes is not None:
+        ids = jax.lax.axis_index(axis_name) * vocab + jnp.arange(vocab)
+        x = jnp.where(ids < num_classes, x, -jnp.inf)
+        total = min(total, num_classes)
     # The max only steadies the exponentials; it carries no gradient (pmax has none).
     m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(x, axis=-1)), axis_name)
     lse = m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(x - m[:, None]), axis=-1), axis_name))
@@ -125,6 +132,6 @@ def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_i
     picked = jnp.take_along_axis(x, jnp.where(here, local, 0)[:, None], axis=-1)[:, 0]
     picked = jax.lax.psum(jnp.where(here, picked, 0.0), axis_name)
     ignored = targets == ignore_index
-    known = (targets >= 0) & (targets < vocab * jax.lax.axis_size(axis_name))
+    known = (targets >= 0) & (targets < total)
     poison = jnp.where(known | ignored, 1.0, jnp.nan).astype(x.dtype)
     return jnp.where(ignored, 0.0, (lse - picked) * poison)

@@ -84,7 +84,8 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
     adamw = train.make_adamw(tcfg, ops)
     lr_at = train.schedule(tcfg)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
-                   remat=tcfg.remat, par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+                   remat=tcfg.remat, scan_layers=tcfg.scan_layers,
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
 
     def body(layout, state, inputs, targets):
         n_tokens = inputs.shape[1] * inputs.shape[2] * sizes[DATA] * sizes[CONTEXT]
@@ -175,18 +176,18 @@ def make_sharded_eval_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mes
 
 # --- per device ----------------------------------------------------------------------------------
 
-def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, par, n_tokens):
+def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, par, n_tokens,
+                scan_layers=None):
     """This device's share of the mean loss: the sum of its tokens' losses / n_tokens (all
     tokens of the micro-batch), so the shares add up to train.loss_fn over "data" and
     "context"; the same on every device of "tensor"."""
     logits = gpt2.forward(from_parallel_layout(params), inputs, config=config, ops=ops,
-                          dtype=dtype, remat=remat, parallel=par)
+                          dtype=dtype, remat=remat, parallel=par, scan_layers=scan_layers)
     vocab = logits.shape[-1]  # this device's slice of the padded vocabulary
-    ids = jax.lax.axis_index(TENSOR) * vocab + jnp.arange(vocab)
-    # The padded columns never enter the softmax, as loss_fn's slice [..., :vocab_size] does.
-    logits = jnp.where(ids < config.vocab_size, logits, -jnp.inf)
+    # The padded columns never enter the softmax, as in train.loss_fn.
     losses = ops.vocab_parallel_softmax_cross_entropy(
-        logits.reshape(-1, vocab), targets.reshape(-1), axis_name=TENSOR)
+        logits.reshape(-1, vocab), targets.reshape(-1), axis_name=TENSOR,
+        num_classes=config.vocab_size)
     return jnp.sum(losses) / n_tokens
 
 
