@@ -210,10 +210,10 @@ def _shakespeare_tokens():
 def test_learns_tinyshakespeare():
     """A 2-layer model, 200 steps of 8 x 32 tokens from the first 90% of tinyshakespeare:
     the validation loss on the last 10% falls from 10.84 (about log 50257: uniform) to below
-    6.6 (measured: 6.30)."""
+    6.6 (measured on the CPU: 6.25)."""
     tokens = _shakespeare_tokens()
     split, T = int(0.9 * len(tokens)), 32
-    config = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=64, block_size=64)
+    config = gpt2.GPT2Config(n_layer=2, n_head=1, n_embd=64, block_size=64)  # head_dim 64
     tcfg = train.TrainConfig(steps=200, warmup_steps=10, learning_rate=3e-3, dtype="f32")
     state = train.init_state(config, tcfg, jax.random.key(0))
     step = train.make_train_step(config, tcfg)
