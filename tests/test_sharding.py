@@ -104,7 +104,7 @@ def test_eval_step_on_xla_ops():
     tcfg = train.TrainConfig(steps=1, dtype="f32")
     tokens = _tokens(4, (B, T + 1))
     params = _perturbed_params()
-    f = sharding.make_sharded_eval_step(CONFIG, tcfg, sharding.make_mesh(2, 2, 2), XLA)
+    f = sharding.make_sharded_eval_step(CONFIG, tcfg, _mesh((2, 2, 2)), XLA)
     loss = f(jax.device_put(sharding.to_parallel_layout(params)), tokens[:, :-1], tokens[:, 1:])
     loss_1 = train.make_eval_step(CONFIG, tcfg, XLA)(params, tokens[:, :-1], tokens[:, 1:])
     np.testing.assert_allclose(float(loss), float(loss_1), rtol=1e-5)
@@ -146,7 +146,7 @@ def test_five_steps_match_one_device(mesh_shape, shard_optimizer):
 
 
 def test_init_sharded_state_is_init_state():
-    mesh = sharding.make_mesh(2, 2, 2)
+    mesh = _mesh((2, 2, 2))
     state = sharding.init_sharded_state(CONFIG, TCFG, jax.random.key(0), mesh,
                                         shard_optimizer=True)
     ref = train.init_state(CONFIG, TCFG, jax.random.key(0))
@@ -159,7 +159,7 @@ def test_init_sharded_state_is_init_state():
 def test_ring_attention_matches_causal_attention():
     """The ring on its own: zig-zag queries against the whole sequence, forward and backward."""
     n = 4
-    mesh = sharding.make_mesh(2, 1, n)
+    mesh = _mesh((2, 1, n))
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 8 * n, 2, 16)) for i in range(3))
 
     def ring(q, k, v):
@@ -182,14 +182,14 @@ def test_ring_attention_matches_causal_attention():
 
 def test_bad_meshes_and_batches_raise():
     with pytest.raises(ValueError, match="must equal the device count"):
-        sharding.make_mesh(2, 2, 1)
+        sharding.make_mesh(2, 2, 1, devices=_devices())
     tcfg = train.TrainConfig(steps=1, dtype="f32")
     with pytest.raises(ValueError, match=r"n_head \(4\) must be divisible by the tensor axis"):
-        sharding.make_sharded_train_step(CONFIG, tcfg, sharding.make_mesh(1, 8, 1))
-    wrong = jax.make_mesh((2, 4), ("data", "model"))
+        sharding.make_sharded_train_step(CONFIG, tcfg, _mesh((1, 8, 1)))
+    wrong = jax.make_mesh((2, 4), ("data", "model"), devices=_devices())
     with pytest.raises(ValueError, match="must have the axes"):
         sharding.make_sharded_train_step(CONFIG, tcfg, wrong)
-    mesh = sharding.make_mesh(2, 2, 2)
+    mesh = _mesh((2, 2, 2))
     state = sharding.shard_state(train.init_state(CONFIG, tcfg, jax.random.key(0)), mesh)
     step = sharding.make_sharded_train_step(CONFIG, tcfg, mesh)
     for shape, match in [((1, 8, 34), r"divisible by 2 x context = 4"),
@@ -198,7 +198,7 @@ def test_bad_meshes_and_batches_raise():
         with pytest.raises(ValueError, match=match):
             step(state, _tokens(0, shape), _tokens(1, shape))
     # Sequence parallelism splits each device's T / context tokens over "tensor".
-    mesh = sharding.make_mesh(1, 4, 2)
+    mesh = _mesh((1, 4, 2))
     step = sharding.make_sharded_train_step(CONFIG, tcfg, mesh)
     with pytest.raises(ValueError, match=r"\(12 / context 2 = 6\) must be divisible by the tensor"):
         step(sharding.shard_state(train.init_state(CONFIG, tcfg, jax.random.key(0)), mesh),
