@@ -368,6 +368,19 @@ def test_batches_are_safe_to_keep(shards):
             np.testing.assert_array_equal(np.asarray(array), kept[0])
         for array in (first.targets, on_device[1]):
             np.testing.assert_array_equal(np.asarray(array), kept[1])
+    # Only a device array made from a batch is kept: its buffer is still not filled again.
+    with loader(path, prefetch=1) as it:
+        batch = next(it)
+        kept, on_device = batch.inputs.copy(), jax.device_put(batch.inputs)
+        del batch
+        for _ in range(6):
+            next(it)
+        np.testing.assert_array_equal(np.asarray(on_device), kept)
+    # Batches that are let go: their buffers come back, no new ones are made.
+    with loader(path, prefetch=1) as it:
+        for _ in range(20):
+            next(it)
+        assert len(it._producer.pool.buffers) <= 2 * (1 + 1) + 2
     # Reused buffers: the numpy arrays are valid only until the next call.
     with loader(path, prefetch=1, reuse_buffers=True) as it:
         first = next(it)
