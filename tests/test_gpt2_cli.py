@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,6 +22,8 @@ from blujax import cli
 from blujax.cli import corpus as cli_corpus, parser as cli_parser, train as cli_train
 from blujax.checkpoint import Checkpointer
 from blujax.data import ShardError
+from blujax.model import gpt2
+from tests.util import rel_close
 
 # A 2-layer, 64-wide model on 4 x 32 tokens a step: a run of a few steps takes seconds.
 TINY = ["--model", "tiny", "--batch", "4", "--seq", "32", "--lr", "1e-3", "--no-progress"]
@@ -187,10 +190,96 @@ def _assert_usage_error(status, err, message):
     (["--data", "no/such/corpus.txt", *TINY_MODEL], "--data no/such/corpus.txt: no such "
                                                           "file or directory"),
     (["--data", "no/such/*.bin", *TINY_MODEL], "the pattern matches no files"),
+    ([*TINY_MODEL, "--cp", "0"], "--cp must be at least 1, got 0"),
+    ([*TINY_MODEL, "--dp", "3", "--tp", "3", "--cp", "1024"],
+     "--dp 3 x --tp 3 x --cp 1024 = 9216 devices, but JAX has"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
     status, _, err = _run(capsys, "train", *argv, "--out", tmp_path / "run")
     _assert_usage_error(status, err, message)
+
+
+needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the "
+                                     "tests' CPU platform has 8)")
+
+
+@needs_8_devices
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2"], "n_head (1) must be divisible by the tensor axis (2): each device holds "
+                    "whole attention heads (--dp 1, --tp 2, --cp 1;"),
+    (["--batch", "4", "--dp", "3"], "the batch size (4) must be divisible by the data axis (3)"),
+    (["--batch", "8", "--accum", "2", "--dp", "8"], "the batch size (4) must be divisible by "
+                                                    "the data axis (8) (--dp 8, --tp 1, --cp 1; "
+                                                    "micro-batches of 4 x --seq 32 tokens"),
+    (["--cp", "3"], "the sequence length (32) must be divisible by 2 x context = 6"),
+])
+def test_meshes_that_do_not_split_exit_2_before_compiling(argv, message, tmp_path, capsys):
+    status, _, err = _run(capsys, "train", *TINY_MODEL, *argv, "--out", tmp_path / "run")
+    _assert_usage_error(status, err, message)
+
+
+@needs_8_devices
+def test_parallel_run_matches_one_device_and_resumes_on_another_mesh(corpus, tmp_path, capsys,
+                                                                     monkeypatch):
+    """dp 2 x tp 2 x cp 2 with ZeRO-1 takes the single-device run's steps (f32, to rounding);
+    its checkpoint is in the single-device layout, continues on dp 4, and `eval` reads it."""
+    # tiny with 2 heads, so that tensor parallelism has heads to split.
+    monkeypatch.setitem(gpt2.PRESETS, "tiny2h",
+                        gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=64, block_size=128))
+    base = ["train", "--data", corpus, *TINY, "--model", "tiny2h", "--steps", 4,
+            "--eval-every", 2, "--eval-batches", 1, "--sample-tokens", 0]
+    one, par = tmp_path / "one", tmp_path / "par"
+    assert _run(capsys, *base, "--out", one)[0] == 0
+    status, stdout, _ = _run(capsys, *base, "--dp", 2, "--tp", 2, "--cp", 2, "--zero",
+                             "--stop-after", 2, "--out", par)
+    assert status == 0 and "8 x cpu (cpu), dp 2 x tp 2 x cp 2, ZeRO-1" in stdout.replace(
+        jax.devices()[0].device_kind, "cpu")
+    config = json.loads((par / "config.json").read_text())
+    assert {k: config["settings"][k] for k in ("dp", "tp", "cp", "zero")} == \
+        {"dp": 2, "tp": 2, "cp": 2, "zero": True}
+    assert config["device"]["count"] == 8
+
+    # The run's mesh, unless given: dp 4 x tp 2 x cp 2 needs 16 devices.
+    status, _, err = _run(capsys, "train", "--resume", "--out", par, "--dp", 4)
+    _assert_usage_error(status, err, "--dp 4 x --tp 2 x --cp 2 = 16 devices, but JAX has 8")
+    status, stdout, _ = _run(capsys, "train", "--resume", "--out", par, "--dp", 4, "--tp", 1,
+                             "--cp", 1, "--no-progress")
+    assert status == 0 and "resuming after step 2" in stdout
+    assert "continues on dp 4 x tp 1 x cp 1, ZeRO-1" in stdout
+
+    def metrics(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = metrics(one), metrics(par)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr"):
+        np.testing.assert_allclose([r[key] for r in b], [r[key] for r in a], rtol=1e-5,
+                                   err_msg=key)
+    np.testing.assert_allclose([b[1]["val_loss"], b[3]["val_loss"]],
+                               [a[1]["val_loss"], a[3]["val_loss"]], rtol=1e-5)
+
+    # The checkpoint has the single-device run's tree, shapes and (to rounding) values: the
+    # params and AdamW's moments, in the model's layout (QKV [L, C, 3C]).
+    x, y = Checkpointer(one / "ckpt").restore(), Checkpointer(par / "ckpt").restore()
+    assert x.step == y.step == 4 and x.loader == y.loader
+    assert jax.tree.structure(x.tree) == jax.tree.structure(y.tree)
+    assert jax.tree.map(np.shape, x.tree) == jax.tree.map(np.shape, y.tree)
+    rel_close(_without_key_bias(y.tree), _without_key_bias(x.tree), 1e-3)
+
+    status, stdout, _ = _run(capsys, "eval", "--out", par)
+    assert status == 0 and f"step 4: val loss {b[3]['val_loss']:.4f}" in stdout
+
+
+def _without_key_bias(tree):
+    """Every attention bias (params and moments) with its key part zeroed: see
+    tests.util.without_key_bias."""
+    def zero(path, x):
+        if "['attn']['b']" in jax.tree_util.keystr(path):
+            x = np.array(x)
+            C = x.shape[-1] // 3
+            x[..., C:2 * C] = 0.0
+        return x
+    return jax.tree_util.tree_map_with_path(zero, tree)
 
 
 def test_data_errors(tmp_path, capsys):
@@ -311,7 +400,7 @@ def test_help_explains_every_flag(capsys):
         "train": ["--data", "--model", "--steps", "--batch", "--seq", "--ops", "--dtype",
                   "--seed", "--out", "--lr", "--warmup", "--accum", "--eval-every",
                   "--eval-batches", "--save-every", "--resume", "--remat", "--profile",
-                  "--sample-tokens"],
+                  "--sample-tokens", "--dp", "--tp", "--cp", "--no-zero"],
         "eval": ["--out", "--data"],
         "sample": ["--out", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
                    "--seed", "--num-samples"],

@@ -3,6 +3,7 @@
     python examples/gpt2.py                                   # train with the defaults
     python examples/gpt2.py train --data notes.txt --model small --steps 500 --out runs/a
     python examples/gpt2.py train --resume --out runs/a       # continue from the latest checkpoint
+    python examples/gpt2.py train --dp 2 --tp 2 --cp 2 --out runs/b   # over 8 devices
     python examples/gpt2.py eval --out runs/a                 # validation loss of the latest one
     python examples/gpt2.py sample --out runs/a --prompt "Hello, I'm a"
 

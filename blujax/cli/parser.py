@@ -66,6 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--remat", action="store_const", const=True,
                    help="recompute each block's activations in the backward pass: less "
                         "memory, more compute (default: off)")
+    t.add_argument("--dp", type=int,
+                   help="data parallelism: each optimizer step's (micro-)batch splits over "
+                        "this many devices; must divide --batch / --accum (default: 1)")
+    t.add_argument("--tp", type=int,
+                   help="tensor parallelism (Megatron, sequence-parallel): the heads, MLP and "
+                        "vocabulary split over this many devices; must divide the model's "
+                        "heads (default: 1)")
+    t.add_argument("--cp", type=int,
+                   help="context parallelism (ring attention): each sequence splits over "
+                        "this many devices; 2 x cp must divide --seq (default: 1)")
+    t.add_argument("--zero", action=argparse.BooleanOptionalAction,
+                   help="ZeRO-1: split AdamW's moments over the --dp devices, each updating "
+                        "its share of the parameters (default: off). The run uses the first "
+                        "dp x tp x cp devices JAX sees; with --resume, a checkpoint continues "
+                        "on any mesh (equal up to rounding; bit for bit on the same mesh)")
     t.add_argument("--eval-every", type=int,
                    help="measure the validation loss every this many steps, and at the end; "
                         "0: never (default: a tenth of --steps)")

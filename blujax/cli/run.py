@@ -45,7 +45,8 @@ def load_run(out: Path) -> dict:
 
 
 def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: TrainConfig,
-                 params, source: DataSource, train_tokens: int, fingerprint: str) -> dict:
+                 params, source: DataSource, train_tokens: int, fingerprint: str,
+                 n_devices: int = 1) -> dict:
     """What config.json holds."""
     device = jax.devices()[0]
     return {
@@ -56,7 +57,8 @@ def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: 
         "data": {"description": source.description, "spec": s.data,
                  "train": [str(p) for p in source.train], "val": [str(p) for p in source.val],
                  "train_tokens": train_tokens, "fingerprint": fingerprint},
-        "device": {"platform": device.platform, "kind": device.device_kind},
+        "device": {"platform": device.platform, "kind": device.device_kind,
+                   "count": n_devices},
         "jax": jax.__version__,
     }
 

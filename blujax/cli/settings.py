@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from blujax.model import gpt2
+from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, check_model
 from blujax.train import TrainConfig
 
 # What the samples at the end of training, and `sample` by default, continue.
@@ -48,10 +49,23 @@ class TrainSettings:
     eval_batches: int
     save_every: int
     sample_tokens: int
+    # The device mesh (blujax.sharding). Defaults here, for the config.json of runs from before
+    # these settings.
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    zero: bool = False
+
+    @property
+    def n_devices(self) -> int:
+        return self.dp * self.tp * self.cp
 
 
 COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed", "lr",
                 "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat")
+# How the run is spread over devices: the same numbers up to rounding, so a resumed run keeps
+# the run's values unless given, and may change them (then not bit for bit).
+PARALLEL_KEYS = ("dp", "tp", "cp", "zero")
 
 
 def on_accelerator() -> bool:
@@ -69,7 +83,8 @@ def defaults(accelerator: bool) -> dict:
         base = dict(model="small", steps=150, batch=8, seq=64, dtype="f32", lr=1e-3,
                     eval_batches=4)
     return dict(base, data=None, accum=1, ops="ffi", seed=0, min_lr_ratio=0.1,
-                weight_decay=0.1, grad_clip=1.0, remat=False, save_every=0, sample_tokens=64)
+                weight_decay=0.1, grad_clip=1.0, remat=False, save_every=0, sample_tokens=64,
+                dp=1, tp=1, cp=1, zero=False)
 
 
 def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
@@ -85,7 +100,8 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
                 "--resume continues a run with the settings it started with, and these "
                 "differ: " + ", ".join(f"--{k.replace('_', '-')} {given[k]} (the run has "
                                        f"{old[k]})" for k in changed))
-        values = dict(old, **given)
+        values = dict({k: defaults(False)[k] for k in PARALLEL_KEYS}, **old)
+        values.update(given)
     else:
         values = dict(defaults(on_accelerator()), **given)
         if "warmup" not in values:
@@ -124,6 +140,36 @@ def check_settings(s: TrainSettings, model_config: gpt2.GPT2Config):
         training_config(s)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_parallel(s, model_config)
+
+
+def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):
+    """The mesh fits the devices, the model and the batches (blujax.sharding's checks), before
+    anything is compiled."""
+    for name in ("dp", "tp", "cp"):
+        if getattr(s, name) < 1:
+            raise UsageError(f"--{name} must be at least 1, got {getattr(s, name)}")
+    n, have = s.n_devices, len(jax.devices())
+    if n > have:
+        raise UsageError(f"--dp {s.dp} x --tp {s.tp} x --cp {s.cp} = {n} devices, but JAX has "
+                         f"{have} ({jax.default_backend()}); the product must be at most the "
+                         f"device count (the run uses the first dp x tp x cp devices)")
+    if n == 1:
+        return
+    sizes = {DATA: s.dp, TENSOR: s.tp, CONTEXT: s.cp}
+    micro = s.batch // s.accum
+    try:
+        check_model(model_config, sizes)
+        check_batch((micro, s.seq), sizes, model_config)
+    except ValueError as e:
+        raise UsageError(f"{str(e).removeprefix('blujax.sharding: ')} (--dp {s.dp}, --tp "
+                         f"{s.tp}, --cp {s.cp}; micro-batches of {micro} x --seq {s.seq} "
+                         f"tokens, {s.model} has {model_config.n_head} heads)") from None
+
+
+def parallel_devices(s: TrainSettings) -> list:
+    """The devices a run uses: the first dp x tp x cp of jax.devices()."""
+    return jax.devices()[:s.n_devices]
 
 
 def model_preset(name: str) -> gpt2.GPT2Config:

@@ -18,15 +18,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from blujax import data
+from blujax import data, sharding
 from blujax.checkpoint import Checkpointer
 from blujax.cli import report, run
 from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.generate import encode, generate_text
-from blujax.cli.settings import (SAMPLE_PROMPT, TrainSettings, UsageError, check_settings,
-                                 model_preset, resolve_train_settings, training_config)
+from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
+                                 check_settings, model_preset, parallel_devices,
+                                 resolve_train_settings, training_config)
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
+from blujax.sharding.mesh import check_batch, mesh_sizes
 from blujax.train import TrainState, init_state, make_eval_step, make_train_step, peak_flops
 
 EXIT_INTERRUPTED = 130
@@ -55,10 +57,19 @@ def cmd_train(args) -> int:
 
     ops = model_ops.get(s.ops)
     train_config = training_config(s)
+    devices = parallel_devices(s)
+    # One device: the single-device step. Several: the sharded step over a mesh of them.
+    mesh = (sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices) if len(devices) > 1
+            else None)
+    if mesh is not None and val:
+        _check_val_batches(val, mesh, model_config, loader)
     if args.resume:
         restored = run.restore_latest(out, s, ops)
         tree = restored.tree
         state = TrainState(tree["step"], tree["params"], tree["opt_state"])
+        if mesh is not None:  # checkpoints keep the single-device layout, whatever the mesh
+            state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
+        _note_mesh_change(saved["settings"], s)
         sample_key = tree["sample_key"]
         try:
             loader.load_state(restored.loader)
@@ -69,26 +80,36 @@ def cmd_train(args) -> int:
         records = [r for r in report.read_metrics(out / "metrics.jsonl")
                    if r["step"] <= restored.step]
     else:
-        state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
+        if mesh is None:
+            state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
+        else:  # the same values, made in their shards
+            state = sharding.init_sharded_state(model_config, train_config,
+                                                jax.random.key(s.seed), mesh, ops,
+                                                shard_optimizer=s.zero)
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
         run.clear_run(out)
 
     config = run.describe_run(s, model_config, train_config, state.params, source, sum(counts),
-                              fingerprint)
+                              fingerprint, len(devices))
     out.mkdir(parents=True, exist_ok=True)
     run.write_json(run.config_path(out), config)
     report.write_metrics(out / "metrics.jsonl", records)
-    device = jax.devices()[0]
+    device = devices[0]
+    where = f"{device.device_kind} ({device.platform})"
+    if mesh is not None:
+        where = (f"{len(devices)} x {where}, dp {s.dp} x tp {s.tp} x cp {s.cp}"
+                 + (", ZeRO-1" if s.zero else ""))
     print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} ops, "
-          f"{s.dtype}, on {device.device_kind} ({device.platform}); data: "
+          f"{s.dtype}, on {where}; data: "
           f"{source.description}, {sum(counts):,} training tokens; {s.batch} x {s.seq} tokens "
           f"per step" + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
           + (f"; resuming after step {int(state.step)}" if args.resume else "")
           + f"; writing to {out}", flush=True)
 
-    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress,
-                      peak=peak_flops(device, s.dtype),
+    peak = peak_flops(device, s.dtype)
+    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh,
+                      peak=peak and peak * len(devices),
                       flops_per_token=gpt2.flops_per_token(model_config, s.seq))
     with Checkpointer(run.checkpoint_dir(out), keep=3) as checkpointer, loader:
         state, interrupted = loop.train(state, sample_key, loader, val, checkpointer,
@@ -102,7 +123,8 @@ def cmd_train(args) -> int:
         return EXIT_INTERRUPTED if interrupted else 0
     _print_summary(records, last, out)
     if s.sample_tokens:
-        _write_samples(s, model_config, ops, state.params, sample_key, out)
+        params = state.params if mesh is None else sharding.unshard_params(state.params)
+        _write_samples(s, model_config, ops, params, sample_key, out)
     return 0
 
 
@@ -141,6 +163,28 @@ def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None
         raise UsageError(f"--resume: the training data differs from the run's (other shard "
                          f"files or token counts); the run used {saved['data']['description']}")
     return loader
+
+
+def _check_val_batches(val, mesh, model_config, loader):
+    """The validation batches split over the mesh (the last may have fewer rows)."""
+    for shape in {x.shape for x, _ in val}:
+        try:
+            check_batch(shape, mesh_sizes(mesh), model_config)
+        except ValueError as e:
+            loader.close()
+            raise UsageError(f"validation batches of {shape[0]} x {shape[1]} tokens: "
+                             f"{str(e).removeprefix('blujax.sharding: ')}") from None
+
+
+def _note_mesh_change(old: dict, s: TrainSettings):
+    was = {k: old.get(k, getattr(TrainSettings, k)) for k in PARALLEL_KEYS}
+    now = {k: getattr(s, k) for k in PARALLEL_KEYS}
+    if was != now:
+        def fmt(d):
+            return (f"dp {d['dp']} x tp {d['tp']} x cp {d['cp']}"
+                    + (", ZeRO-1" if d["zero"] else ""))
+        print(f"note: the run was on {fmt(was)}, it continues on {fmt(now)}: the same "
+              f"numbers up to rounding, not bit for bit", flush=True)
 
 
 def _print_summary(records: list[dict], last: int, out: Path):
@@ -196,12 +240,21 @@ class _TrainLoop:
     PROFILE_AFTER, PROFILE_STEPS = 3, 3
 
     def __init__(self, s: TrainSettings, model_config, train_config, ops, out: Path,
-                 records: list, progress: bool, *, peak, flops_per_token):
+                 records: list, progress: bool, mesh, *, peak, flops_per_token):
         self.s, self.model_config, self.out, self.records = s, model_config, out, records
         self.progress = progress
         self.peak, self.flops_per_token = peak, flops_per_token
-        self.train_step = make_train_step(model_config, train_config, ops=ops)
-        self.eval_step = make_eval_step(model_config, train_config, ops=ops)
+        self.mesh = mesh
+        if mesh is None:
+            self.train_step = make_train_step(model_config, train_config, ops=ops)
+            self.eval_step = make_eval_step(model_config, train_config, ops=ops)
+            self.batch_sharding = None  # the default device
+        else:
+            self.train_step = sharding.make_sharded_train_step(
+                model_config, train_config, mesh, ops, shard_optimizer=s.zero)
+            self.eval_step = sharding.make_sharded_eval_step(model_config, train_config, mesh,
+                                                             ops)
+            self.batch_sharding = sharding.batch_sharding(mesh)
         self.tokens_per_step = s.batch * s.seq
         self.throughput = report.Throughput()
 
@@ -227,8 +280,10 @@ class _TrainLoop:
                 for index in range(start, stop_after):
                     step = index + 1
                     batch = next(loader)  # the loader never writes these arrays again
-                    inputs = jax.device_put(batch.inputs.reshape(s.accum, micro, -1))
-                    targets = jax.device_put(batch.targets.reshape(s.accum, micro, -1))
+                    inputs = jax.device_put(batch.inputs.reshape(s.accum, micro, -1),
+                                            self.batch_sharding)
+                    targets = jax.device_put(batch.targets.reshape(s.accum, micro, -1),
+                                             self.batch_sharding)
                     if profile and index == trace.start:
                         jax.profiler.start_trace(str(profile))
                     state, metrics = self.train_step(state, inputs, targets)
@@ -257,7 +312,9 @@ class _TrainLoop:
                         report.plot_losses(self.records, self.out / "loss.png",
                                            report.plot_title(s, self.model_config))
                     if save_due or last:
-                        checkpointer.save(step, run.checkpoint_tree(state, sample_key),
+                        # In the single-device layout, whatever the mesh.
+                        saved = state if self.mesh is None else sharding.unshard_state(state)
+                        checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
                                           loader=loader.state(), config=dataclasses.asdict(s))
                     if stop.requested:
                         interrupted = step < stop_after

@@ -14,16 +14,16 @@ from blujax.sharding.distributed import initialize
 from blujax.sharding.mesh import AXES, CONTEXT, DATA, TENSOR, make_mesh
 from blujax.sharding.parallel import Parallel
 from blujax.sharding.ring import ring_attention, zigzag
-from blujax.sharding.specs import (Layout, from_parallel_layout, state_shardings,
-                                   to_parallel_layout, to_parallel_state)
+from blujax.sharding.specs import (Layout, from_parallel_layout, from_parallel_state,
+                                   state_shardings, to_parallel_layout, to_parallel_state)
 from blujax.sharding.step import (batch_sharding, init_sharded_state, make_sharded_eval_step,
                                   make_sharded_train_step, make_sharded_value_and_grad,
-                                  shard_state, unshard_params)
+                                  shard_state, unshard_params, unshard_state)
 
 __all__ = [
     "AXES", "CONTEXT", "DATA", "TENSOR", "Layout", "Parallel", "batch_sharding",
-    "from_parallel_layout", "init_sharded_state", "initialize", "make_mesh",
+    "from_parallel_layout", "from_parallel_state", "init_sharded_state", "initialize", "make_mesh",
     "make_sharded_eval_step", "make_sharded_train_step", "make_sharded_value_and_grad",
     "ring_attention", "shard_state", "state_shardings", "to_parallel_layout",
-    "to_parallel_state", "unshard_params", "zigzag",
+    "to_parallel_state", "unshard_params", "unshard_state", "zigzag",
 ]

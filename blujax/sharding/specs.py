@@ -139,3 +139,10 @@ def to_parallel_state(state):
     treedef = jax.tree.structure(state.params)
     return type(state)(state.step, to_parallel_layout(state.params),
                        map_moments(to_parallel_layout, state.opt_state, treedef))
+
+
+def from_parallel_state(state):
+    """The inverse of to_parallel_state: params and moments in the model's layout."""
+    treedef = jax.tree.structure(state.params)
+    return type(state)(state.step, from_parallel_layout(state.params),
+                       map_moments(from_parallel_layout, state.opt_state, treedef))

@@ -15,7 +15,8 @@ followed by an all-gather of the new parameters: ZeRO-1). Gradient clipping uses
 all devices.
 
 The state keeps the params in the parallel layout (specs.py); `unshard_params` gives the
-model's layout back (for checkpoints, sampling, comparisons).
+model's layout back (for sampling, comparisons), `unshard_state` the whole TrainState's (for
+checkpoints: `shard_state` restores one on any mesh).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from blujax.sharding.mesh import (AXES, CONTEXT, DATA, TENSOR, check_batch, chec
                                   mesh_sizes)
 from blujax.sharding.parallel import Parallel, vary
 from blujax.sharding.ring import zigzag
-from blujax.sharding.specs import (Layout, from_parallel_layout, state_shardings,
-                                   to_parallel_state)
+from blujax.sharding.specs import (Layout, from_parallel_layout, from_parallel_state,
+                                   state_shardings, to_parallel_state)
 
 # A batch [B, T]: sequences over "data", each sequence (zig-zag ordered) over "context"; the
 # train step's [accum_steps, B, T].
@@ -63,6 +64,13 @@ def shard_state(state: train.TrainState, mesh, *, shard_optimizer: bool = False)
 def unshard_params(params):
     """The model's params (global arrays) from the sharded state's."""
     return jax.jit(from_parallel_layout)(params)
+
+
+def unshard_state(state: train.TrainState) -> train.TrainState:
+    """The whole sharded state (params and AdamW's moments) in train.init_state's layout, as
+    global arrays: what a checkpoint keeps, so that shard_state can put it back on a mesh of
+    any shape, or a single-device run can take it as it is."""
+    return jax.jit(from_parallel_state)(state)
 
 
 def batch_sharding(mesh) -> NamedSharding:
