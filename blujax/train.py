@@ -124,7 +124,7 @@ def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
                                          scan_layers=tcfg.scan_layers))
 
     def step(state: TrainState, inputs, targets):
-        _check_batch(inputs, targets, tcfg)
+        check_batch(inputs, targets, tcfg)
 
         def micro(acc, batch):
             loss, grads = grad_fn(state.params, *batch)
@@ -148,12 +148,13 @@ def make_eval_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
     return jax.jit(partial(loss_fn, config=config, ops=ops, dtype=tcfg.compute_dtype))
 
 
-def _check_batch(inputs, targets, tcfg):
+def check_batch(inputs, targets, tcfg: TrainConfig, step: str = "train step"):
+    """inputs and targets must both be [accum_steps, B, T]; `step` names the caller."""
     if inputs.ndim != 3 or inputs.shape != targets.shape:
-        raise ValueError(f"train step: inputs and targets must both be [accum_steps, B, T], got "
+        raise ValueError(f"{step}: inputs and targets must both be [accum_steps, B, T], got "
                          f"{inputs.shape} and {targets.shape}")
     if inputs.shape[0] != tcfg.accum_steps:
-        raise ValueError(f"train step: the leading axis ({inputs.shape[0]}) must be "
+        raise ValueError(f"{step}: the leading axis ({inputs.shape[0]}) must be "
                          f"accum_steps ({tcfg.accum_steps})")
 
 

@@ -114,12 +114,7 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
         return train.TrainState(state.step + 1, params, (clip_state, adam_state)), metrics
 
     def step(state, inputs, targets):
-        if inputs.ndim != 3 or inputs.shape != targets.shape:
-            raise ValueError(f"sharded train step: inputs and targets must both be "
-                             f"[accum_steps, B, T], got {inputs.shape} and {targets.shape}")
-        if inputs.shape[0] != tcfg.accum_steps:
-            raise ValueError(f"sharded train step: the leading axis ({inputs.shape[0]}) must "
-                             f"be accum_steps ({tcfg.accum_steps})")
+        train.check_batch(inputs, targets, tcfg, "sharded train step")
         check_batch(inputs.shape, sizes, config)
         layout = Layout.of(state.params, sizes, shard_optimizer)
         specs = layout.state_specs(state)
