@@ -111,4 +111,22 @@ inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi:
   return ffi::Error::Success();
 }
 
+// The backward's other operands and its results, once q, k, v are checked (dims filled).
+inline ffi::Error CheckAttentionBwdBuffers(const char* op, const ffi::AnyBuffer& q,
+                                           const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                           const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                           const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
+                                           const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                                           const ffi::AnyBuffer& dv, const ffi::AnyBuffer& delta,
+                                           const AttentionDims& d) {
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", dq, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", dk, "k", k));
+  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", dv, "v", v));
+  return CheckAttentionLse(op, "delta", delta, q.element_type(), d);
+}
+
 }  // namespace blujax

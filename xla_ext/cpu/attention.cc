@@ -203,14 +203,8 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", *dq, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", *dk, "k", k));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", *dv, "v", v));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "delta", *delta, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(
+      CheckAttentionBwdBuffers(op, q, k, v, out, lse, dout, dlse, *dq, *dk, *dv, *delta, d));
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;

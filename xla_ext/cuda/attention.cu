@@ -1136,14 +1136,8 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", *dq, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", *dk, "k", k));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", *dv, "v", v));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "delta", *delta, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(
+      CheckAttentionBwdBuffers(op, q, k, v, out, lse, dout, dlse, *dq, *dk, *dv, *delta, d));
   BLUJAX_RETURN_IF_ERROR(CheckGpuLimits(
       op, d, {q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
               dout.untyped_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data()}));
