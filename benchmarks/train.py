@@ -34,7 +34,7 @@ from blujax.model import gpt2  # noqa: E402
 from blujax.model import ops as model_ops  # noqa: E402
 
 
-def _program_bytes(compiled) -> int | None:
+def program_bytes(compiled) -> int | None:
     try:
         m = compiled.memory_analysis()
         return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -55,19 +55,10 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir
     t0 = time.perf_counter()
     compiled = step.lower(state, x, y).compile()
     compile_s = time.perf_counter() - t0
-    mem = _program_bytes(compiled)
-    for _ in range(2):
-        state, m = compiled(state, x, y)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, m = compiled(state, x, y)
-        jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t0)
+    mem = program_bytes(compiled)
+    state, m, step_s = time_steps(compiled, state, x, y, steps)
     if profile_dir:
         _profile(compiled, state, x, y, profile_dir)
-    step_s = statistics.median(times)
     tok_s = batch * seq / step_s
     peak = train.peak_flops(jax.devices()[0], dtype)
     flops = gpt2.flops_per_token(config, seq) * tok_s
@@ -82,16 +73,40 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir
     return row
 
 
-def _profile(compiled, state, x, y, out_dir):
+def time_steps(compiled, state, x, y, steps):
+    """Two warm-up steps, then `steps` steps each waited for: (state, last metrics, median
+    seconds per step)."""
+    for _ in range(2):
+        state, m = compiled(state, x, y)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = compiled(state, x, y)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t0)
+    return state, m, statistics.median(times)
+
+
+PROFILE_STEPS = 3
+
+
+def trace_steps(compiled, state, x, y, out_dir) -> Path | None:
+    """A profiler trace of PROFILE_STEPS steps in out_dir; the Perfetto JSON trace's path."""
     out_dir = Path(out_dir)
     jax.profiler.start_trace(str(out_dir), create_perfetto_trace=True)
-    for _ in range(3):
+    for _ in range(PROFILE_STEPS):
         state, m = compiled(state, x, y)
     jax.block_until_ready(m)
     jax.profiler.stop_trace()
     traces = sorted(out_dir.rglob("*.trace.json.gz"))
-    if traces:
-        print(kernel_time_summary(traces[-1], steps=3))
+    return traces[-1] if traces else None
+
+
+def _profile(compiled, state, x, y, out_dir):
+    trace = trace_steps(compiled, state, x, y, out_dir)
+    if trace:
+        print(kernel_time_summary(trace, steps=PROFILE_STEPS))
 
 
 def kernel_time_summary(path, steps: int, top: int = 25) -> str:

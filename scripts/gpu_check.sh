@@ -4,15 +4,18 @@
 # run the kernel benchmarks, and print a short table last. Logs go to OUT_DIR.
 #
 #   scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops layernorm,...] [--tests "SEL"]
-#                        [--no-reruns] [--no-kernels] [--train "ARGS"]
+#                        [--no-reruns] [--no-kernels] [--train "ARGS"] [--parallel "ARGS"]...
 #
 # --quick       one benchmark shape per op
 # --sanitize    also run the CUDA tests under compute-sanitizer (memcheck), slower
 # --ops LIST    benchmark only these ops (benchmarks/cases/<op>.py)
-# --tests SEL   what pytest runs on the GPU (default: tests), e.g. "tests/test_attention.py"
+# --tests SEL   what pytest runs on the GPU (default: tests), e.g. "tests/test_attention.py";
+#               "" runs no tests
 # --no-reruns   skip the reruns without CUDA graphs and on 8 emulated CPU devices
 # --no-kernels  skip the kernel benchmarks
 # --train ARGS  also run benchmarks/train.py ARGS (GPT-2 step throughput)
+# --parallel ARGS  also run benchmarks/parallel.py ARGS (steps on several GPUs); repeatable,
+#               the rows of all of them make one table
 # A machine lent for a few minutes at a time can run the whole check in several calls, each with
 # a part of it.
 # Needs: python3 with jax[cuda] installed, nanobind, scikit-build-core, cmake, ninja, nvcc.
@@ -20,7 +23,7 @@ set -euo pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--quick] [--sanitize] [--ops LIST]}
 shift
-quick="" sanitize="" ops="" tests="tests" reruns=1 kernels=1 train=""
+quick="" sanitize="" ops="" tests="tests" reruns=1 kernels=1 train="" parallel=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick="--quick" ;;
@@ -30,6 +33,7 @@ while [ $# -gt 0 ]; do
     --no-reruns) reruns="" ;;
     --no-kernels) kernels="" ;;
     --train) train="$2"; shift ;;
+    --parallel) parallel+=("$2"); shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -56,14 +60,16 @@ BLUJAX_CUDA=ON BLUJAX_CUDA_ARCHITECTURES=${BLUJAX_CUDA_ARCHITECTURES:-80;90a} \
 echo "built in $(( $(date +%s) - start )) s"
 "$py" -c "import blujax; print('kernel backends:', blujax.kernel_backends())"
 
-step "tests on the GPU"
+gpu_status=skipped nographs_status=skipped cpu_status=skipped
+for f in tests_gpu tests_gpu_nographs tests_cpu; do echo "skipped" >"$out/$f.log"; done
 set +e
-# shellcheck disable=SC2086  # $tests is a list of pytest arguments
-"$py" -m pytest -q -rs $tests 2>&1 | tail -30 | tee "$out/tests_gpu.log"
-gpu_status=${PIPESTATUS[0]}
-nographs_status=skipped cpu_status=skipped
-echo "skipped" >"$out/tests_gpu_nographs.log"; echo "skipped" >"$out/tests_cpu.log"
-if [ -n "$reruns" ]; then
+if [ -n "$tests" ]; then
+  step "tests on the GPU"
+  # shellcheck disable=SC2086  # $tests is a list of pytest arguments
+  "$py" -m pytest -q -rs $tests 2>&1 | tail -30 | tee "$out/tests_gpu.log"
+  gpu_status=${PIPESTATUS[0]}
+fi
+if [ -n "$tests" ] && [ -n "$reruns" ]; then
   step "kernel value tests again with XLA's command buffers (CUDA graphs) off"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "$kernel_tests" $tests \
     2>&1 | tail -5 | tee "$out/tests_gpu_nographs.log"
@@ -73,7 +79,7 @@ if [ -n "$reruns" ]; then
   cpu_status=${PIPESTATUS[0]}
 fi
 sanitizer_status=skipped
-if [ -n "$sanitize" ]; then
+if [ -n "$sanitize" ] && [ -n "$tests" ]; then
   step "compute-sanitizer memcheck over the GPU tests"
   timeout ${SANITIZER_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 --log-file "$out/sanitizer.log" \
     "$py" -m pytest -q -x -k "$kernel_tests" $tests >"$out/tests_sanitizer.log" 2>&1
@@ -98,6 +104,18 @@ if [ -n "$train" ]; then
   [ "$train_status" = 0 ] || tail -30 "$out/train.log"
 fi
 
+echo "(no parallel benchmark)" >"$out/parallel.md"
+if [ ${#parallel[@]} -gt 0 ]; then
+  step "GPT-2 on several GPUs"
+  rm -f "$out/parallel.jsonl"
+  for args in "${parallel[@]}"; do
+    # shellcheck disable=SC2086
+    "$py" benchmarks/parallel.py $args --json "$out/parallel.jsonl" 2>&1 \
+      | tee -a "$out/parallel.log" || true
+  done
+  "$py" benchmarks/parallel.py --report "$out/parallel.jsonl" >"$out/parallel.md" 2>&1 || true
+fi
+
 step "summary"
 echo "tests on GPU:      $(tail -1 "$out/tests_gpu.log") (exit $gpu_status)"
 echo "tests, no graphs:  $(tail -1 "$out/tests_gpu_nographs.log") (exit $nographs_status)"
@@ -105,5 +123,6 @@ echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
 echo "compute-sanitizer: $sanitizer_status"
 cat "$out/kernels.md"
 cat "$out/train.md"
+cat "$out/parallel.md"
 ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
 ok "$gpu_status" && ok "$nographs_status" && ok "$cpu_status" && ok "$sanitizer_status"

@@ -87,9 +87,17 @@ def exact_matmuls():
         yield
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES)
-def test_loss_and_grads_match_one_device(mesh_shape):
-    f = sharding.make_sharded_value_and_grad(CONFIG, _mesh(mesh_shape), FFI)
+# Then, hiding communication behind compute gives the same numbers: the tensor-parallel
+# collectives as ppermute rings interleaved with slices of their products (tensor 2 and 4, and
+# with context), each layer's gradient reduced inside the backward.
+@pytest.mark.parametrize("mesh_shape,collective_matmul,reduce_in_backward", [
+    *((m, False, False) for m in MESHES),
+    ((1, 4, 1), True, False), ((2, 2, 2), True, True), ((8, 1, 1), False, True),
+    ((2, 4, 1), True, True)])
+def test_loss_and_grads_match_one_device(mesh_shape, collective_matmul, reduce_in_backward):
+    f = sharding.make_sharded_value_and_grad(CONFIG, _mesh(mesh_shape), FFI,
+                                             collective_matmul=collective_matmul,
+                                             reduce_in_backward=reduce_in_backward)
     tokens = _tokens(3, (B, T + 1))
     params = jax.device_put(sharding.to_parallel_layout(_perturbed_params()))
     loss, grads = f(params, tokens[:, :-1], tokens[:, 1:])
@@ -112,6 +120,7 @@ def test_eval_step_on_xla_ops():
 
 # The data-parallel meshes run the optimizer state sharded over "data" (ZeRO-1); the others,
 # and (2, 2, 2) once more, keep it whole.
+# (2, 4, 1) with ZeRO also hides its communication (both options), over two micro-batches.
 @pytest.mark.parametrize("mesh_shape,shard_optimizer", [
     ((8, 1, 1), True), ((1, 4, 1), False), ((1, 1, 8), False), ((2, 2, 2), False),
     ((4, 1, 2), True), ((2, 4, 1), True)])
@@ -119,7 +128,10 @@ def test_five_steps_match_one_device(mesh_shape, shard_optimizer):
     mesh = _mesh(mesh_shape)
     state = sharding.shard_state(train.init_state(CONFIG, TCFG, jax.random.key(0)), mesh,
                                  shard_optimizer=shard_optimizer)
-    step = sharding.make_sharded_train_step(CONFIG, TCFG, mesh, shard_optimizer=shard_optimizer)
+    overlap = mesh_shape == (2, 4, 1)
+    step = sharding.make_sharded_train_step(CONFIG, TCFG, mesh, shard_optimizer=shard_optimizer,
+                                            collective_matmul=overlap,
+                                            reduce_in_backward=overlap)
     metrics_1, params_1 = _one_device_steps()
     for i in range(TCFG.steps):
         batch = _tokens(10 + i, (TCFG.accum_steps, B, T + 1))

@@ -10,8 +10,8 @@ the same model runs on either. Pre-LayerNorm blocks with a fused QKV projection,
 embedding tied to the LM head, the vocabulary padded to a multiple of 128 (50304) so the head's
 matrix product tiles evenly; the padded rows start at zero and no loss reaches them.
 
-The layers' parameters are stacked along a leading axis and the blocks run under `lax.scan`,
-so compile time does not grow with depth. Each residual add is fused into the LayerNorm after
+The layers' parameters are stacked along a leading axis; the blocks run under `lax.scan`, so
+compile time does not grow with depth, or as a Python loop on a GPU (see `forward`). Each residual add is fused into the LayerNorm after
 it (`add_layer_norm`): the carry is (residual stream, the sublayer output not yet added).
 """
 
@@ -151,13 +151,15 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
     [B, T_local, padded_vocab_size / tensor] (see blujax/sharding/parallel.py).
     """
     check_tokens(tokens, config)
-    p = cast(params, dtype)
     par = ONE_DEVICE if parallel is None else parallel
+    # Each layer's params are cast where the layer runs, after `par.share`: a parallel run may
+    # hook its gradient reduction there, in float32, one layer at a time.
+    p = cast(par.share({k: v for k, v in params.items() if k != "blocks"}), dtype)
     attend = par.attend(ops)
     block = partial(_block, n_head=config.n_head, ops=ops, attend=attend, par=par)
 
     def step(carry, layer):
-        s, d, _ = block(layer, *carry)
+        s, d, _ = block(cast(par.share(layer), dtype), *carry)
         return (s, d), None
 
     if remat:
@@ -166,10 +168,10 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
         scan_layers = jax.default_backend() != "gpu"
     carry = par.embed(p, tokens)
     if scan_layers:
-        carry, _ = jax.lax.scan(step, carry, p["blocks"])
+        carry, _ = jax.lax.scan(step, carry, params["blocks"])
     else:
         for i in range(config.n_layer):
-            carry, _ = step(carry, jax.tree.map(lambda x: x[i], p["blocks"]))
+            carry, _ = step(carry, jax.tree.map(lambda x: x[i], params["blocks"]))
     return _head(p, *carry, ops, par)
 
 
@@ -193,21 +195,26 @@ def _embed(p, tokens, start=0):
 class _OneDevice:
     """The hooks `forward` calls where a parallel run communicates; on one device, nothing.
 
-    embed: (token, position) embeddings; gather: a LayerNorm output before a column-parallel
-    product; reduce: a row-parallel product's partial sums; attend: the attention function.
+    share: parameters (float32) as a layer takes them; embed: (token, position) embeddings;
+    gather_matmul: a LayerNorm output times a column-parallel weight; matmul_reduce: a
+    row-parallel product, its partial sums reduced; attend: the attention function.
     """
+
+    @staticmethod
+    def share(params):
+        return params
 
     @staticmethod
     def embed(p, tokens):
         return _embed(p, tokens)
 
     @staticmethod
-    def gather(x):
-        return x
+    def gather_matmul(x, w):
+        return x @ w
 
     @staticmethod
-    def reduce(x):
-        return x
+    def matmul_reduce(x, w):
+        return x @ w
 
     @staticmethod
     def attend(ops):
@@ -219,7 +226,7 @@ ONE_DEVICE = _OneDevice()
 
 def _head(p, s, d, ops, par=ONE_DEVICE):
     h, _ = ops.add_layer_norm(d, s, p["ln_f"]["w"], p["ln_f"]["b"])
-    return par.gather(h) @ p["wte"].T
+    return par.gather_matmul(h, p["wte"].T)
 
 
 def _attend(ops, q, k, v):
@@ -230,16 +237,16 @@ def _block(layer, s, d, *, n_head, ops, attend, par=ONE_DEVICE):
     """One transformer block. s: the residual stream so far; d: the previous sublayer's output,
     still to be added to it. Returns the new (s, d) and what `attend` returned beside the
     attention output (the layer's k, v for a KV cache). Under tensor parallelism `par` gathers
-    the sequence before each column-parallel product and reduces after each row-parallel one;
+    the sequence into each column-parallel product and reduces out of each row-parallel one;
     this device then holds n_head / tensor of the heads."""
     C = s.shape[-1]
     h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"])
-    h = par.gather(h)
-    B, T, _ = h.shape
-    qkv = (h @ layer["attn"]["w"] + layer["attn"]["b"]).reshape(B, T, 3, -1, C // n_head)
+    qkv = par.gather_matmul(h, layer["attn"]["w"]) + layer["attn"]["b"]
+    B, T, _ = qkv.shape
+    qkv = qkv.reshape(B, T, 3, -1, C // n_head)
     a, kv = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-    a = par.reduce(a.reshape(B, T, -1) @ layer["attn_proj"]["w"]) + layer["attn_proj"]["b"]
+    a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"]) + layer["attn_proj"]["b"]
     h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"])
-    f = ops.gelu(par.gather(h) @ layer["mlp_fc"]["w"], layer["mlp_fc"]["b"])
-    m = par.reduce(f @ layer["mlp_proj"]["w"]) + layer["mlp_proj"]["b"]
+    f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])
+    m = par.matmul_reduce(f, layer["mlp_proj"]["w"]) + layer["mlp_proj"]["b"]
     return s, m, kv

@@ -7,11 +7,18 @@ see ring.py), and:
 - embed: the vocabulary-parallel token embedding (each device looks up the ids in its slice
   of wte, zeros elsewhere) summed over "tensor" and split along the sequence in the same
   reduce-scatter; the position embedding of the device's own positions.
-- gather / reduce: the sequence-parallel LayerNorm regions. The residual stream and the
-  LayerNorms hold T / context / tensor tokens per device; `gather` (all-gather over "tensor")
-  brings back the device's whole sequence before a column-parallel product, `reduce`
-  (reduce-scatter) sums a row-parallel product's partial results and splits the sequence
-  again. Their transposes are each other, so the backward needs nothing more.
+- gather_matmul / matmul_reduce: the sequence-parallel LayerNorm regions. The residual
+  stream and the LayerNorms hold T / context / tensor tokens per device; a column-parallel
+  product takes the device's whole sequence (all-gather over "tensor" first), a row-parallel
+  product's partial results are summed and the sequence split again (reduce-scatter). Their
+  transposes are each other, so the backward needs nothing more. With collective_matmul the
+  collective is cut into "tensor" steps of `ppermute`, each overlapping one slice of the
+  product (collective matmul), instead of one all-gather / reduce-scatter before / after it.
+- share: parameters as a layer takes them. With reduce_in_backward the float32 parameters are
+  cast to varying over the devices that share them here, inside the differentiated function,
+  so JAX's transpose of that cast (a psum) reduces each layer's gradient in the backward as
+  soon as it exists, where it can overlap the backward of the layers below it. Without it the
+  step reduces all gradients once, after the backward (and after the last micro-batch).
 - attend: ring attention over "context" (plain causal attention when it has size 1).
 """
 
@@ -43,6 +50,11 @@ class Parallel:
 
     tensor: int
     context: int
+    collective_matmul: bool = False
+    reduce_in_backward: bool = False
+
+    def share(self, params):
+        return vary(params) if self.reduce_in_backward else params
 
     def embed(self, p, tokens):
         wte = p["wte"]  # this device's rows of the vocabulary
@@ -50,7 +62,7 @@ class Parallel:
         ids = tokens - jax.lax.axis_index(TENSOR) * rows
         here = (ids >= 0) & (ids < rows)
         tok = jnp.where(here[..., None], jnp.take(wte, jnp.where(here, ids, 0), axis=0), 0)
-        tok = self.reduce(tok)
+        tok = jax.lax.psum_scatter(tok, TENSOR, scatter_dimension=1, tiled=True)
         pos = jnp.take(p["wpe"], self.positions(tokens.shape[1]), axis=0)
         return vary(tok), vary(jnp.broadcast_to(pos, tok.shape))
 
@@ -61,13 +73,17 @@ class Parallel:
         n = length // self.tensor
         return jax.lax.dynamic_slice_in_dim(pos, jax.lax.axis_index(TENSOR) * n, n)
 
-    @staticmethod
-    def gather(x):
-        return jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
+    def gather_matmul(self, x, w):
+        """all_gather(x over "tensor", along the sequence) @ w."""
+        if self.collective_matmul and self.tensor > 1:
+            return _gather_matmul(x, w, self.tensor)
+        return jax.lax.all_gather(x, TENSOR, axis=1, tiled=True) @ w
 
-    @staticmethod
-    def reduce(x):
-        return jax.lax.psum_scatter(x, TENSOR, scatter_dimension=1, tiled=True)
+    def matmul_reduce(self, x, w):
+        """psum_scatter(x @ w over "tensor", along the sequence)."""
+        if self.collective_matmul and self.tensor > 1:
+            return _matmul_reduce(x, w, self.tensor)
+        return jax.lax.psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True)
 
     def attend(self, ops):
         if self.context == 1:
@@ -83,3 +99,37 @@ def _ring(ops, n, q, k, v):
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
     return out, (k, v)
+
+
+def _gather_matmul(x, w, n):
+    """all_gather(x, TENSOR, axis=1, tiled=True) @ w as n products of one sequence slice each:
+    while device i multiplies the slice in hand, it passes that slice on to device i - 1, so
+    at step j it holds (and writes the rows of) device i + j's slice."""
+    i = jax.lax.axis_index(TENSOR)
+    t = x.shape[1]
+    to_previous = [(j, (j - 1) % n) for j in range(n)]
+    out = None
+    for step in range(n):
+        if step < n - 1:  # issued first: it does not wait for this step's product
+            incoming = jax.lax.ppermute(x, TENSOR, to_previous)
+        y = x @ w
+        if out is None:
+            out = jnp.zeros((*y.shape[:1], n * t, *y.shape[2:]), y.dtype)
+        out = jax.lax.dynamic_update_slice_in_dim(out, y, ((i + step) % n) * t, axis=1)
+        if step < n - 1:
+            x = incoming
+    return out
+
+
+def _matmul_reduce(x, w, n):
+    """psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True) as n products of one
+    sequence slice each: a running sum travels to device i + 1 while device i multiplies the
+    next slice; at step j device i adds slice (i - 1 - j) mod n, ending with its own."""
+    i = jax.lax.axis_index(TENSOR)
+    t = x.shape[1] // n
+    to_next = [(j, (j + 1) % n) for j in range(n)]
+    acc = None
+    for step in range(n):
+        part = jax.lax.dynamic_slice_in_dim(x, ((i - 1 - step) % n) * t, t, axis=1) @ w
+        acc = part if acc is None else jax.lax.ppermute(acc, TENSOR, to_next) + part
+    return acc

@@ -80,12 +80,19 @@ def batch_sharding(mesh) -> NamedSharding:
 
 
 def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mesh, ops=kernels,
-                            *, shard_optimizer: bool = False):
+                            *, shard_optimizer: bool = False, collective_matmul: bool = False,
+                            reduce_in_backward: bool = False):
     """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
 
     state: from init_sharded_state / shard_state with the same shard_optimizer. inputs,
     targets: int32 [accum_steps, B, T], global; B divisible by "data", T by 2 x "context"
     (when "context" > 1) and T / "context" by "tensor". metrics as train.make_train_step's.
+
+    Two ways to hide communication (same values; parallel.py says how):
+    collective_matmul: the tensor-parallel all-gathers and reduce-scatters as ppermute steps
+    overlapping slices of their matrix products. reduce_in_backward: each layer's gradient
+    reduced during the backward, as soon as it is computed, rather than all of them after it;
+    with accum_steps > 1 that is one reduction per micro-batch instead of one per step.
     """
     sizes = mesh_sizes(mesh)
     check_model(config, sizes)
@@ -93,13 +100,14 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
     lr_at = train.schedule(tcfg)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
                    remat=tcfg.remat, scan_layers=tcfg.scan_layers,
-                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul,
+                                reduce_in_backward))
 
     def body(layout, state, inputs, targets):
         n_tokens = inputs.shape[1] * inputs.shape[2] * sizes[DATA] * sizes[CONTEXT]
         value, grads = _accumulate(partial(loss, n_tokens=n_tokens), state.params, inputs,
-                                   targets)
-        grads = _reduce(grads, layout)
+                                   targets, reduced=reduce_in_backward)
+        grads = _reduce(grads, layout, reduced=reduce_in_backward)
         norm = _global_norm(grads, layout)
         trigger = norm < tcfg.grad_clip  # optax.clip_by_global_norm, with the global norm
         clipped = jax.tree.map(
@@ -128,19 +136,24 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
 
 
 def make_sharded_value_and_grad(config: gpt2.GPT2Config, mesh, ops=kernels, *,
-                                dtype=jnp.float32, remat: bool = False):
+                                dtype=jnp.float32, remat: bool = False,
+                                collective_matmul: bool = False,
+                                reduce_in_backward: bool = False):
     """f(params, inputs, targets) -> (mean loss, grads), jitted: train.loss_fn and its
-    gradient over the mesh, for parallel-layout params and global int32 [B, T] batches."""
+    gradient over the mesh, for parallel-layout params and global int32 [B, T] batches.
+    The options as make_sharded_train_step's."""
     sizes = mesh_sizes(mesh)
     check_model(config, sizes)
     loss = partial(_local_loss, config=config, ops=ops, dtype=dtype, remat=remat,
-                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul,
+                                reduce_in_backward))
 
     def body(layout, params, inputs, targets):
         n_tokens = inputs.size * sizes[DATA] * sizes[CONTEXT]
         value, grads = _accumulate(partial(loss, n_tokens=n_tokens), params, inputs[None],
-                                   targets[None])
-        return jax.lax.psum(value, (DATA, CONTEXT)), _reduce(grads, layout)
+                                   targets[None], reduced=reduce_in_backward)
+        grads = _reduce(grads, layout, reduced=reduce_in_backward)
+        return jax.lax.psum(value, (DATA, CONTEXT)), grads
 
     def f(params, inputs, targets):
         check_batch(inputs.shape, sizes, config)
@@ -154,13 +167,14 @@ def make_sharded_value_and_grad(config: gpt2.GPT2Config, mesh, ops=kernels, *,
     return jax.jit(f)
 
 
-def make_sharded_eval_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mesh, ops=kernels):
+def make_sharded_eval_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, mesh, ops=kernels,
+                           *, collective_matmul: bool = False):
     """eval_step(params, inputs, targets) -> mean loss (float32) over global int32 [B, T]
     batches, for parallel-layout params (train.make_eval_step over the mesh)."""
     sizes = mesh_sizes(mesh)
     check_model(config, sizes)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype, remat=False,
-                   par=Parallel(sizes[TENSOR], sizes[CONTEXT]))
+                   par=Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul))
 
     def body(params, inputs, targets):
         n_tokens = inputs.size * sizes[DATA] * sizes[CONTEXT]
@@ -194,14 +208,16 @@ def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, par, n_to
     return jnp.sum(losses) / n_tokens
 
 
-def _accumulate(loss, params, inputs, targets):
+def _accumulate(loss, params, inputs, targets, *, reduced=False):
     """(loss share, grads) summed over the micro-batches [accum, B, T], then averaged.
 
     The params are cast to varying over every axis first: each device's gradient is then its
     own contribution, and the reduction over devices happens once, after the last micro-batch
-    (_reduce), instead of inside every backward.
+    (_reduce), instead of inside every backward. With `reduced` the loss casts them itself,
+    layer by layer (Parallel.share), and the gradients come out of each backward reduced.
     """
-    params = vary(params)
+    if not reduced:
+        params = vary(params)
     grad = jax.value_and_grad(loss)
 
     def micro(acc, batch):
@@ -213,9 +229,12 @@ def _accumulate(loss, params, inputs, targets):
     return value / n, jax.tree.map(lambda g: g / n, grads)
 
 
-def _reduce(grads, layout):
+def _reduce(grads, layout, *, reduced=False):
     """Each gradient summed over the devices that share its leaf: all-reduce over the axes it
-    is replicated on; with a ZeRO axis, reduce-scatter over "data" along it instead."""
+    is replicated on; with a ZeRO axis, reduce-scatter over "data" along it instead. Gradients
+    `reduced` already (in the backward) are only cut to this device's ZeRO piece."""
+    if reduced:
+        return _zero_pieces(grads, layout)
     out = []
     for g, t, z in zip(layout.treedef.flatten_up_to(grads), layout.tensor_axes,
                        layout.zero_axes):
