@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
