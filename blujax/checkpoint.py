@@ -31,6 +31,11 @@ an interrupted save left there. To read checkpoints while another process may be
 them (to evaluate or sample from a run in progress), open the directory read-only:
 
     latest = Checkpointer("runs/gpt2/ckpt", read_only=True).restore(like=...)
+
+In a run of several JAX processes, process 0 saves (the others open the directory read-only,
+or not at all), and every array must be whole on it: its shards there cover the array, as
+they do for one replicated over the mesh (sharding.unshard_state makes them so). Every
+process may restore, each into its own `like`.
 """
 
 from __future__ import annotations
@@ -91,6 +96,24 @@ def _host_copy(x) -> np.ndarray:
             return np.array(x, copy=True)
         return np.asarray(x)
     return np.array(x, copy=True)
+
+
+def _own_shards(x: jax.Array, name: str) -> list:
+    """The shards of x that a save writes, one per distinct index: the replica-0 ones of an
+    array this process holds entirely; of one spanning several processes, the first local
+    copy of each piece, which must cover the array (replica 0 may be on another process)."""
+    if x.is_fully_addressable:
+        return [s for s in x.addressable_shards if s.replica_id == 0]
+    pieces = {}
+    for s in x.addressable_shards:
+        pieces.setdefault(tuple(map(tuple, _index_ranges(s.index, x.shape))), s)
+    held = sum(int(np.prod([b - a for a, b in ranges])) for ranges in pieces)
+    if held != x.size:
+        raise CheckpointError(
+            f"cannot save {name}: it spans several processes and this one (process "
+            f"{jax.process_index()}) holds {held} of its {x.size} elements; save arrays "
+            f"replicated over the mesh (sharding.unshard_state gives them)")
+    return list(pieces.values())
 
 
 def _index_ranges(index, shape) -> list[list[int]]:
@@ -182,16 +205,19 @@ class Checkpointer:
 
         Returns once the arrays are copied to host memory (asynchronous mode) or written
         (synchronous mode); SaveInfo.stall_s says how long that was. An error of a background
-        write is raised by the next save(), wait() or close().
+        write is raised by the next save(), wait() or close(). With several JAX processes,
+        process 0 alone saves, and only arrays whose shards on it cover them (replicated over
+        the mesh, say); anything else raises CheckpointError.
         """
         start = time.perf_counter()
         if self.read_only:
             raise CheckpointError(f"cannot save step {step} into {self.directory}: this "
                                   f"Checkpointer was opened with read_only=True")
-        if jax.process_count() > 1:
+        if jax.process_index() != 0:
             raise CheckpointError(
-                "saving from several JAX processes is not supported yet: each process would "
-                "write its own copy of the checkpoint directory")
+                f"cannot save step {step} from JAX process {jax.process_index()}: in a run of "
+                f"several processes, process 0 alone saves (each array whole on it), else "
+                f"each would write its own copy of {self.directory}")
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -243,14 +269,11 @@ class Checkpointer:
             raise ValueError("nothing to save: the tree has no leaves")
         # Every device-to-host copy is started before the first is waited for.
         shards = []
-        for _, leaf in leaves:
+        for path, leaf in leaves:
             if _is_key(leaf):
                 leaf = jax.random.key_data(leaf)
             if isinstance(leaf, jax.Array):
-                if not leaf.is_fully_addressable:
-                    raise CheckpointError("saving arrays that span several processes is not "
-                                          "supported yet")
-                own = [s for s in leaf.addressable_shards if s.replica_id == 0]
+                own = _own_shards(leaf, jax.tree_util.keystr(path))
                 for s in own:
                     if s.device.platform != "cpu":  # on the CPU it would be one more copy
                         s.data.copy_to_host_async()
@@ -524,6 +547,6 @@ def _restore_leaf(root: Path, record: dict, like):
     if isinstance(like, np.ndarray):
         return reader.read_all().copy()
     sharding = getattr(like, "sharding", None)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if sharding is None:  # the default device, this process's own first one
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.make_array_from_callback(shape, sharding, reader.read)

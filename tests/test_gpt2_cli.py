@@ -193,6 +193,11 @@ def _assert_usage_error(status, err, message):
     ([*TINY_MODEL, "--cp", "0"], "--cp must be at least 1, got 0"),
     ([*TINY_MODEL, "--dp", "3", "--tp", "3", "--cp", "1024"],
      "--dp 3 x --tp 3 x --cp 1024 = 9216 devices, but JAX has"),
+    ([*TINY_MODEL, "--process-id", "1"], "--process-id applies to a run of several processes: "
+                                         "give --num-processes too"),
+    ([*TINY_MODEL, "--num-processes", "2", "--process-id", "2"],
+     "--process-id must lie in [0, --num-processes 2), got 2"),
+    ([*TINY_MODEL, "--num-processes", "0"], "--num-processes must be at least 1, got 0"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, tmp_path, capsys):
     status, _, err = _run(capsys, "train", *argv, "--out", tmp_path / "run")
@@ -280,6 +285,96 @@ def _without_key_bias(tree):
             x[..., C:2 * C] = 0.0
         return x
     return jax.tree_util.tree_map_with_path(zero, tree)
+
+
+# The CLI in a process of its own, with test_parallel_run_matches_one_device's tiny2h.
+_CLI_WITH_TINY2H = (
+    "import sys; from blujax.model import gpt2; "
+    "gpt2.PRESETS['tiny2h'] = gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=64, block_size=128); "
+    "from blujax.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(argv_of, timeout=240):
+    """The CLI as processes 0 and 1 of one run, each with 2 CPU devices (gloo collectives);
+    argv_of(i): process i's arguments. Their (returncode, stdout, stderr)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    address = f"localhost:{_free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _CLI_WITH_TINY2H, *map(str, argv_of(i)), "--coordinator",
+         address, "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_processes_train_as_one_and_resume(corpus, tmp_path, capsys, monkeypatch):
+    """Two processes of 2 CPU devices each train one run with the losses of the same run in one
+    process; process 0 alone writes. Its checkpoint (ZeRO-1's moments split over the processes)
+    continues on a mesh whose "context" axis spans both, where each process feeds columns of
+    every row, and samples. A process that stops with an error stops the other too.
+
+    (No mesh here splits the vocabulary over the processes: on the CPU, gloo's all-gathers of
+    arrays as large as the embedding stall for seconds after a reduce-scatter.)"""
+    monkeypatch.setitem(gpt2.PRESETS, "tiny2h",
+                        gpt2.GPT2Config(n_layer=2, n_head=2, n_embd=64, block_size=128))
+    base = ["train", "--data", corpus, *TINY, "--model", "tiny2h", "--steps", 4,
+            "--eval-every", 2, "--eval-batches", 1, "--sample-tokens", 0]
+    one, run, elsewhere = tmp_path / "one", tmp_path / "run", tmp_path / "process1"
+    assert _run(capsys, *base, "--out", one)[0] == 0
+
+    # dp 2 (over the processes) x tp 2 (within each), ZeRO-1. Process 1 gets an --out of its
+    # own, which must stay untouched.
+    results = _two_processes(lambda i: [*base, "--dp", 2, "--tp", 2, "--zero", "--stop-after",
+                                        2, "--out", run if i == 0 else elsewhere])
+    for code, _, err in results:
+        assert code == 0, err
+    assert "4 x cpu (cpu) in 2 processes, dp 2 x tp 2 x cp 1, ZeRO-1" in \
+        results[0][1].replace(jax.devices()[0].device_kind, "cpu")
+    assert "GPT-2" not in results[1][1] and "step" not in results[1][2]
+    assert not elsewhere.exists()
+    assert Checkpointer(run / "ckpt").steps() == [2]
+    assert json.loads((run / "config.json").read_text())["device"]["processes"] == 2
+
+    # Process 1 resuming from a folder without the run: both exit, neither waits for the other.
+    results = _two_processes(lambda i: ["train", "--resume", "--out",
+                                        run if i == 0 else elsewhere, "--no-progress"])
+    assert [code for code, _, _ in results] == [2, 2]
+    assert "process 1 of 2 stopped with an error" in results[0][2]
+    assert "holds no training run" in results[1][2]
+
+    results = _two_processes(lambda i: ["train", "--resume", "--out", run, "--dp", 1, "--tp", 1,
+                                        "--cp", 4, "--sample-tokens", 8, "--no-progress"])
+    for code, _, err in results:
+        assert code == 0, err
+    assert "resuming after step 2" in results[0][1] and "--- sample 2 ---" in results[0][1]
+    assert "resuming" not in results[1][1]
+    assert (run / "samples.txt").read_text().count("Hello, I'm a") == 2
+
+    def metrics(path):
+        return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = metrics(one), metrics(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in b)
+    for key in ("loss", "grad_norm", "val_loss"):
+        np.testing.assert_allclose([r.get(key, 0.0) for r in b], [r.get(key, 0.0) for r in a],
+                                   rtol=1e-4, err_msg=key)
+    assert Checkpointer(run / "ckpt").steps() == [2, 4]
+    x, y = Checkpointer(one / "ckpt").restore(), Checkpointer(run / "ckpt").restore()
+    assert x.step == y.step == 4 and x.loader == y.loader
+    rel_close(_without_key_bias(y.tree), _without_key_bias(x.tree), 1e-3)
 
 
 def test_data_errors(tmp_path, capsys):
@@ -400,7 +495,8 @@ def test_help_explains_every_flag(capsys):
         "train": ["--data", "--model", "--steps", "--batch", "--seq", "--ops", "--dtype",
                   "--seed", "--out", "--lr", "--warmup", "--accum", "--eval-every",
                   "--eval-batches", "--save-every", "--resume", "--remat", "--profile",
-                  "--sample-tokens", "--dp", "--tp", "--cp", "--no-zero"],
+                  "--sample-tokens", "--dp", "--tp", "--cp", "--no-zero", "--num-processes",
+                  "--process-id", "--coordinator"],
         "eval": ["--out", "--data"],
         "sample": ["--out", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
                    "--seed", "--num-samples"],

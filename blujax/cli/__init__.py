@@ -4,6 +4,8 @@
     python examples/gpt2.py train --data notes.txt --model small --steps 500 --out runs/a
     python examples/gpt2.py train --resume --out runs/a       # continue from the latest checkpoint
     python examples/gpt2.py train --dp 2 --tp 2 --cp 2 --out runs/b   # over 8 devices
+    python examples/gpt2.py train --dp 4 --tp 4 --num-processes 2 --process-id 0 \\
+        --coordinator host0:12355 --out runs/c   # on host0; host1 the same with id 1
     python examples/gpt2.py eval --out runs/a                 # validation loss of the latest one
     python examples/gpt2.py sample --out runs/a --prompt "Hello, I'm a"
 
@@ -20,6 +22,7 @@ The modules, in the order a run uses them:
     parser.py     the flags of each command, with their help
     settings.py   a run's settings, their defaults and checks; UsageError
     corpus.py     the token shards --data names (text file, llm.c shards, default corpus)
+    processes.py  several processes (hosts) in one run: starting them, keeping them in step
     run.py        the run folder: config.json and the checkpoints
     train.py      `train` and its loop
     report.py     metrics.jsonl, loss.png, the progress display, throughput and MFU

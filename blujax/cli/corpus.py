@@ -227,7 +227,8 @@ def download(url: str, dest: Path, *, sha256: str | None, progress: bool, timeou
 
 def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | None) -> list:
     """The first max_batches (all if None) batches of the validation split, in order, on the
-    device; fewer rows when the split is too small for a full batch; none without a split."""
+    device; fewer rows when the split is too small for a full batch; none without a split.
+    Whole batches, with several processes too (each process reads all of them)."""
     if not source.val:
         return []
     counts = [data.read_header(p) for p in source.val]
@@ -237,8 +238,8 @@ def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | Non
               f"sequence of --seq {seq}: no validation loss", file=sys.stderr)
         return []
     batches = []
-    with data.DataLoader(source.val, None, batch_size=rows, seq_len=seq,
-                         shuffle=False) as loader:
+    with data.DataLoader(source.val, None, batch_size=rows, seq_len=seq, shuffle=False,
+                         process_index=0, process_count=1) as loader:
         n = loader.batches_per_epoch
         for _ in range(n if max_batches is None else min(n, max_batches)):
             b = next(loader)  # safe to keep on the device (see DataLoader)

@@ -81,6 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "its share of the parameters (default: off). The run uses the first "
                         "dp x tp x cp devices JAX sees; with --resume, a checkpoint continues "
                         "on any mesh (equal up to rounding; bit for bit on the same mesh)")
+    t.add_argument("--num-processes", type=int, metavar="N",
+                   help="train one run in N processes, one per host, each started with this "
+                        "command and its own --process-id: the mesh then spans the devices "
+                        "of all of them, and dp x tp x cp must equal their count. Every "
+                        "process reads the same data (--data on each host); process 0 alone "
+                        "writes --out and prints; --resume needs --out on a folder all "
+                        "processes see (default: $BLUJAX_NUM_PROCESSES, else 1)")
+    t.add_argument("--process-id", type=int, metavar="I",
+                   help="this process's index in [0, --num-processes) (default: "
+                        "$BLUJAX_PROCESS_ID, else what JAX detects under SLURM or Open MPI)")
+    t.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="with --num-processes: the address of process 0's host and a free "
+                        "port there, where every process meets (default: "
+                        "$BLUJAX_COORDINATOR, else what JAX detects under SLURM or Open MPI)")
     t.add_argument("--eval-every", type=int,
                    help="measure the validation loss every this many steps, and at the end; "
                         "0: never (default: a tenth of --steps)")
@@ -108,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "run to --steps)")
     t.add_argument("--profile", metavar="DIR",
                    help="write a jax.profiler trace of 3 steps, after 3 warm-up steps, into "
-                        "DIR (view with TensorBoard or Perfetto) (default: no trace)")
+                        "DIR (view with TensorBoard or Perfetto); with several processes, "
+                        "process 0's (default: no trace)")
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar or progress lines (default: shown)")
 

@@ -46,7 +46,7 @@ def load_run(out: Path) -> dict:
 
 def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: TrainConfig,
                  params, source: DataSource, train_tokens: int, fingerprint: str,
-                 n_devices: int = 1) -> dict:
+                 n_devices: int = 1, n_processes: int = 1) -> dict:
     """What config.json holds."""
     device = jax.devices()[0]
     return {
@@ -58,7 +58,7 @@ def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: 
                  "train": [str(p) for p in source.train], "val": [str(p) for p in source.val],
                  "train_tokens": train_tokens, "fingerprint": fingerprint},
         "device": {"platform": device.platform, "kind": device.device_kind,
-                   "count": n_devices},
+                   "count": n_devices, "processes": n_processes},
         "jax": jax.__version__,
     }
 
@@ -92,7 +92,8 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 def restore_latest(out: Path, s: TrainSettings, ops):
     """The latest checkpoint of the run in `out` (a checkpoint.Restored: .tree, .step,
-    .loader), read without touching the folder."""
+    .loader), read without touching the folder (so every process of a run may read it), on
+    this process's first device."""
     reader = Checkpointer(checkpoint_dir(out), read_only=True)
     if not reader.steps():
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")

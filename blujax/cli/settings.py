@@ -150,6 +150,13 @@ def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):
         if getattr(s, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(s, name)}")
     n, have = s.n_devices, len(jax.devices())
+    if jax.process_count() > 1 and n != have:
+        # Every process's devices take part: a mesh on some of them would leave a process
+        # with nothing to compute.
+        raise UsageError(f"--dp {s.dp} x --tp {s.tp} x --cp {s.cp} = {n} devices, but the "
+                         f"{jax.process_count()} processes have {have} "
+                         f"({jax.default_backend()}) together; with several processes the "
+                         f"product must equal that count (the mesh spans all of them)")
     if n > have:
         raise UsageError(f"--dp {s.dp} x --tp {s.tp} x --cp {s.cp} = {n} devices, but JAX has "
                          f"{have} ({jax.default_backend()}); the product must be at most the "
@@ -168,7 +175,8 @@ def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):
 
 
 def parallel_devices(s: TrainSettings) -> list:
-    """The devices a run uses: the first dp x tp x cp of jax.devices()."""
+    """The devices a run uses: the first dp x tp x cp of jax.devices() (all of them, with
+    several processes: check_parallel)."""
     return jax.devices()[:s.n_devices]
 
 

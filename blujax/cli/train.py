@@ -7,6 +7,7 @@ the progress display around the jitted train step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from blujax import data, sharding
 from blujax.checkpoint import Checkpointer
-from blujax.cli import report, run
+from blujax.cli import processes, report, run
 from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.generate import encode, generate_text
 from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
@@ -35,47 +38,68 @@ EXIT_INTERRUPTED = 130
 
 
 def cmd_train(args) -> int:
+    # First of all: with several processes, jax.distributed must start before anything asks
+    # JAX for its devices (the settings' defaults do).
+    procs = processes.start(args)
     out = Path(args.out)
-    progress = not args.no_progress
+    progress = not args.no_progress and procs.lead
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: pick one")
-    saved = run.load_run(out) if args.resume else None
-    s = resolve_train_settings(args, saved)
-    model_config = model_preset(s.model)
-    check_settings(s, model_config)
-    stop_after = s.steps if args.stop_after is None else args.stop_after
-    if not 1 <= stop_after <= s.steps:
-        raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
-    if not _check_out_folder(out, args, s, stop_after):
+    source = None
+    with procs.together():
+        saved = run.load_run(out) if args.resume else None
+        s = resolve_train_settings(args, saved)
+        model_config = model_preset(s.model)
+        check_settings(s, model_config)
+        stop_after = s.steps if args.stop_after is None else args.stop_after
+        if not 1 <= stop_after <= s.steps:
+            raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
+        todo = _check_out_folder(out, args, s, stop_after, procs.lead)
+        if todo and procs.lead:  # first and alone: it may tokenize --data into a cache
+            source = resolve_data(s.data, progress=progress)
+    procs.same(todo, "whether there is training to do in --out (it must be one folder that "
+                     "every process sees)")
+    if not todo:
         return 0
 
-    source = resolve_data(s.data, progress=progress)
-    counts = [data.read_header(p) for p in source.train]
-    loader = _open_loader(s, source, counts, saved)
-    fingerprint = loader.state()["shards"]
-    val = val_batches(source, s.batch, s.seq, s.eval_batches) if s.eval_every else []
+    with procs.together():
+        if source is None:  # the other processes, from the lead's cache
+            source = resolve_data(s.data, progress=False)
+        counts = [data.read_header(p) for p in source.train]
+        loader = _open_loader(s, source, counts, saved)
+        fingerprint = loader.state()["shards"]
+        val = val_batches(source, s.batch, s.seq, s.eval_batches) if s.eval_every else []
 
-    ops = model_ops.get(s.ops)
-    train_config = training_config(s)
-    devices = parallel_devices(s)
-    # One device: the single-device step. Several: the sharded step over a mesh of them.
-    mesh = (sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices) if len(devices) > 1
-            else None)
-    if mesh is not None and val:
-        _check_val_batches(val, mesh, model_config, loader)
+        ops = model_ops.get(s.ops)
+        train_config = training_config(s)
+        devices = parallel_devices(s)
+        # One device: the single-device step. Several: the sharded step over a mesh of them.
+        mesh = (sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices) if len(devices) > 1
+                else None)
+        if mesh is not None and val:
+            _check_val_batches(val, mesh, model_config, loader)
+        if args.resume:
+            restored = run.restore_latest(out, s, ops)
+            try:
+                loader.load_state(restored.loader)
+            except ValueError as e:
+                loader.close()
+                raise UsageError(f"--resume: {e}") from None
     if args.resume:
-        restored = run.restore_latest(out, s, ops)
+        procs.same(restored.step, "the checkpoint to resume from (--out must be one folder "
+                                  "that every process sees)")
+    if procs.count > 1 and val:
+        val_sharding = NamedSharding(mesh, P(sharding.DATA))
+        val = [(procs.global_array(np.asarray(x), val_sharding),
+                procs.global_array(np.asarray(y), val_sharding)) for x, y in val]
+    if args.resume:
         tree = restored.tree
         state = TrainState(tree["step"], tree["params"], tree["opt_state"])
         if mesh is not None:  # checkpoints keep the single-device layout, whatever the mesh
             state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
-        _note_mesh_change(saved["settings"], s)
+        if procs.lead:
+            _note_mesh_change(saved["settings"], s)
         sample_key = tree["sample_key"]
-        try:
-            loader.load_state(restored.loader)
-        except ValueError as e:
-            loader.close()
-            raise UsageError(f"--resume: {e}") from None
         # Steps after the checkpoint were lost with the run that made them: they run again.
         records = [r for r in report.read_metrics(out / "metrics.jsonl")
                    if r["step"] <= restored.step]
@@ -88,57 +112,73 @@ def cmd_train(args) -> int:
                                                 shard_optimizer=s.zero)
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
-        run.clear_run(out)
+        if procs.lead:
+            run.clear_run(out)
 
     config = run.describe_run(s, model_config, train_config, state.params, source, sum(counts),
-                              fingerprint, len(devices))
-    out.mkdir(parents=True, exist_ok=True)
-    run.write_json(run.config_path(out), config)
-    report.write_metrics(out / "metrics.jsonl", records)
+                              fingerprint, len(devices), procs.count)
     device = devices[0]
     where = f"{device.device_kind} ({device.platform})"
     if mesh is not None:
-        where = (f"{len(devices)} x {where}, dp {s.dp} x tp {s.tp} x cp {s.cp}"
-                 + (", ZeRO-1" if s.zero else ""))
-    print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} ops, "
-          f"{s.dtype}, on {where}; data: "
-          f"{source.description}, {sum(counts):,} training tokens; {s.batch} x {s.seq} tokens "
-          f"per step" + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
-          + (f"; resuming after step {int(state.step)}" if args.resume else "")
-          + f"; writing to {out}", flush=True)
+        where = (f"{len(devices)} x {where}"
+                 + (f" in {procs.count} processes" if procs.count > 1 else "")
+                 + f", dp {s.dp} x tp {s.tp} x cp {s.cp}" + (", ZeRO-1" if s.zero else ""))
+    if procs.lead:
+        out.mkdir(parents=True, exist_ok=True)
+        run.write_json(run.config_path(out), config)
+        report.write_metrics(out / "metrics.jsonl", records)
+        print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} "
+              f"ops, {s.dtype}, on {where}; data: {source.description}, {sum(counts):,} "
+              f"training tokens; {s.batch} x {s.seq} tokens per step"
+              + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
+              + (f"; resuming after step {int(state.step)}" if args.resume else "")
+              + f"; writing to {out}", flush=True)
 
     peak = peak_flops(device, s.dtype)
-    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh,
+    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh, procs,
                       peak=peak and peak * len(devices),
                       flops_per_token=gpt2.flops_per_token(model_config, s.seq))
-    with Checkpointer(run.checkpoint_dir(out), keep=3) as checkpointer, loader:
+    # Process 0 alone writes checkpoints; the others only take part in gathering them.
+    writer = (Checkpointer(run.checkpoint_dir(out), keep=3) if procs.lead
+              else contextlib.nullcontext())
+    with writer as checkpointer, loader:
         state, interrupted = loop.train(state, sample_key, loader, val, checkpointer,
                                         stop_after, args.profile)
-    report.plot_losses(records, out / "loss.png", report.plot_title(s, model_config))
+    if procs.lead:
+        report.plot_losses(records, out / "loss.png", report.plot_title(s, model_config))
     last = int(state.step)
     if last < s.steps:
-        print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
-              f"{run.checkpoint_dir(out)}. Continue with: train --resume --out {out}",
-              flush=True)
+        if procs.lead:
+            print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
+                  f"{run.checkpoint_dir(out)}. Continue with: train --resume --out {out}",
+                  flush=True)
         return EXIT_INTERRUPTED if interrupted else 0
-    _print_summary(records, last, out)
+    if procs.lead:
+        _print_summary(records, last, out)
     if s.sample_tokens:
+        # Every process gathers the params (collectives); process 0 samples from its copy.
         params = state.params if mesh is None else sharding.unshard_params(state.params)
-        _write_samples(s, model_config, ops, params, sample_key, out)
+        if procs.lead:
+            if procs.count > 1:  # whole on each of this process's devices: take the first
+                params = jax.tree.map(lambda x: x.addressable_data(0), params)
+            _write_samples(s, model_config, ops, params, sample_key, out)
     return 0
 
 
-def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int) -> bool:
+def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
+                      lead: bool = True) -> bool:
     """Whether there is training to do in `out`: resuming, a checkpoint to continue from that
-    is short of stop_after; starting, no earlier run there (unless --overwrite)."""
+    is short of stop_after; starting, no earlier run there (unless --overwrite). Only the lead
+    process says so."""
     existing = run.checkpoint_steps(out)
     if args.resume:
         if not existing:
             raise UsageError(f"--resume: {out} holds no checkpoint to continue from (nothing "
                              f"in {run.checkpoint_dir(out)})")
         if existing[-1] >= stop_after:
-            print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); nothing "
-                  f"to train")
+            if lead:
+                print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); "
+                      f"nothing to train")
             return False
     elif (existing or run.config_path(out).exists()) and not args.overwrite:
         raise UsageError(f"{out} already holds a run"
@@ -156,8 +196,9 @@ def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None
             f"too few tokens for one batch: --batch {s.batch} x --seq {s.seq} needs {need} "
             f"tokens in one shard, and the largest training shard has {max(counts)} "
             f"({source.description}); lower --batch or --seq, or give more text")
+    # Whole batches, on every process (see _TrainLoop.train).
     loader = data.DataLoader(source.train, None, batch_size=s.batch, seq_len=s.seq,
-                             seed=s.seed)
+                             seed=s.seed, process_index=0, process_count=1)
     if saved is not None and saved["data"]["fingerprint"] != loader.state()["shards"]:
         loader.close()
         raise UsageError(f"--resume: the training data differs from the run's (other shard "
@@ -238,11 +279,14 @@ class _TrainLoop:
     the profile and the progress display around the jitted train step."""
 
     PROFILE_AFTER, PROFILE_STEPS = 3, 3
+    # With several processes, how often they agree whether a signal asked for a stop.
+    STOP_POLL = 10
 
     def __init__(self, s: TrainSettings, model_config, train_config, ops, out: Path,
-                 records: list, progress: bool, mesh, *, peak, flops_per_token):
+                 records: list, progress: bool, mesh, procs=processes.Processes(), *, peak,
+                 flops_per_token):
         self.s, self.model_config, self.out, self.records = s, model_config, out, records
-        self.progress = progress
+        self.progress, self.procs = progress, procs
         self.peak, self.flops_per_token = peak, flops_per_token
         self.mesh = mesh
         if mesh is None:
@@ -260,15 +304,15 @@ class _TrainLoop:
 
     def train(self, state, sample_key, loader, val_batches, checkpointer, stop_after, profile):
         """Steps from state.step up to stop_after; returns the last state and whether a
-        signal stopped it early."""
+        signal stopped it early. checkpointer: None on the processes that do not write."""
         s = self.s
         start = int(state.step)
         bar = report.Progress(start, s.steps, self.progress, every=max(1, s.steps // 20))
         self.bar = bar
         trace = range(start + self.PROFILE_AFTER, start + self.PROFILE_AFTER + self.PROFILE_STEPS)
         if profile and trace.stop > stop_after:
-            bar.write(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
-                      f"this run ends after step {stop_after}: no trace")
+            self._note(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
+                       f"this run ends after step {stop_after}: no trace")
             profile = None
         micro = s.batch // s.accum
         pending = None     # (step, metrics): dispatched, not read back yet
@@ -279,12 +323,16 @@ class _TrainLoop:
                 t_ref = time.perf_counter()
                 for index in range(start, stop_after):
                     step = index + 1
+                    # The whole batch, on every process: each puts in the pieces its devices
+                    # hold, which are not a slice of rows per process once "tensor" or
+                    # "context" spans processes (or "data" does not).
                     batch = next(loader)  # the loader never writes these arrays again
-                    inputs = jax.device_put(batch.inputs.reshape(s.accum, micro, -1),
-                                            self.batch_sharding)
-                    targets = jax.device_put(batch.targets.reshape(s.accum, micro, -1),
-                                             self.batch_sharding)
-                    if profile and index == trace.start:
+                    inputs = self.procs.global_array(batch.inputs.reshape(s.accum, micro, -1),
+                                                     self.batch_sharding)
+                    targets = self.procs.global_array(
+                        batch.targets.reshape(s.accum, micro, -1), self.batch_sharding)
+                    # One trace, of process 0 (the others' would share its file names).
+                    if profile and index == trace.start and self.procs.lead:
                         jax.profiler.start_trace(str(profile))
                     state, metrics = self.train_step(state, inputs, targets)
                     if pending is not None:  # read the previous step while this one runs
@@ -295,28 +343,32 @@ class _TrainLoop:
                     eval_due = bool(val_batches) and (step % s.eval_every == 0
                                                       or step == s.steps)
                     save_due = bool(s.save_every) and step % s.save_every == 0
-                    last = step == stop_after or stop.requested
+                    stopping = self._stop_agreed(stop.requested, step)
+                    last = step == stop_after or stopping
                     trace_end = bool(profile) and step == trace.stop
                     if not (eval_due or save_due or last or trace_end):
                         continue
                     record, _ = self._finish(*pending, t_ref, timed)
                     pending, timed = None, True
-                    if trace_end:
+                    if trace_end and self.procs.lead:
                         jax.profiler.stop_trace()
-                        bar.write(f"profile of steps {trace.start + 1}-{step} written to "
-                                  f"{profile}")
+                        self._note(f"profile of steps {trace.start + 1}-{step} written to "
+                                   f"{profile}")
                     if eval_due:
                         record["val_loss"] = self._evaluate(state.params, val_batches)
                     self._log(record)
-                    if eval_due:
+                    if eval_due and self.procs.lead:
                         report.plot_losses(self.records, self.out / "loss.png",
                                            report.plot_title(s, self.model_config))
                     if save_due or last:
-                        # In the single-device layout, whatever the mesh.
+                        # In the single-device layout, whatever the mesh; gathered on every
+                        # process, written by one.
                         saved = state if self.mesh is None else sharding.unshard_state(state)
-                        checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
-                                          loader=loader.state(), config=dataclasses.asdict(s))
-                    if stop.requested:
+                        if checkpointer is not None:
+                            checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
+                                              loader=loader.state(),
+                                              config=dataclasses.asdict(s))
+                    if stopping:
                         interrupted = step < stop_after
                         break
                     t_ref = time.perf_counter()  # evaluating and saving are not step time
@@ -337,8 +389,21 @@ class _TrainLoop:
                   "tokens_per_s": rate, "step_time_s": seconds,
                   "mfu": report.mfu(rate, self.flops_per_token, self.peak)}
         if not math.isfinite(m["loss"]):
-            self.bar.write(f"warning: the loss of step {step} is {m['loss']}")
+            self._note(f"warning: the loss of step {step} is {m['loss']}")
         return record, now
+
+    def _note(self, text: str):
+        if self.procs.lead:
+            self.bar.write(text)
+
+    def _stop_agreed(self, requested: bool, step: int) -> bool:
+        """Whether to stop after this step. With several processes, a signal may reach some of
+        them only, and all must stop after the same step: they agree every STOP_POLL steps
+        (a collective, which waits for the step to end; not every step, so that the host
+        stays a step ahead of the devices)."""
+        if self.procs.count == 1:
+            return requested
+        return step % self.STOP_POLL == 0 and self.procs.any(requested)
 
     def _evaluate(self, params, val_batches) -> float:
         losses = [self.eval_step(params, x, y) for x, y in val_batches]
@@ -346,6 +411,7 @@ class _TrainLoop:
 
     def _log(self, record):
         self.records.append(record)
-        report.append_metrics(self.out / "metrics.jsonl", record)
+        if self.procs.lead:
+            report.append_metrics(self.out / "metrics.jsonl", record)
         rate = self.throughput.tokens_per_s(self.tokens_per_step)
         self.bar.update(record, report.mfu(rate, self.flops_per_token, self.peak), rate)

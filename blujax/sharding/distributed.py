@@ -3,12 +3,20 @@
     # every host, before any other JAX call (2 hosts here; ids 0 and 1):
     BLUJAX_COORDINATOR=host0:1234 BLUJAX_NUM_PROCESSES=2 BLUJAX_PROCESS_ID=0 python train.py
 
-Under SLURM or Open MPI, jax.distributed.initialize finds all of this by itself and the
-variables can be left out. Afterwards jax.devices() lists the devices of every host and
-`make_mesh` spans them (host-major, so a "tensor" group stays on one host when the tensor
-size divides the devices per host). Each process puts its own rows of the batch in with
-jax.make_array_from_process_local_data(batch_sharding(mesh), rows); everything else is the
-same program on every host.
+The GPT-2 command line does all of this: `examples/gpt2.py train --coordinator host0:1234
+--num-processes 2 --process-id 0` (the same variables are its defaults); see blujax/cli/
+processes.py and the README.
+
+Under SLURM or Open MPI, jax.distributed.initialize finds the coordinator and process ids by
+itself and those variables can be left out. Afterwards jax.devices() lists the devices of
+every host and `make_mesh` spans them (host-major, so a "tensor" group stays on one host when
+the tensor size divides the devices per host). The batch goes in as a global array that each
+process builds from the parts its devices hold: with every process holding the whole batch,
+jax.make_array_from_callback(shape, batch_sharding(mesh), lambda index: batch[index]), which
+works on any mesh; with each holding only its own rows, make_array_from_process_local_data,
+which fits when the "data" groups line up with the processes. Everything else is the same
+program on every host. To save checkpoints, sharding.unshard_state gives every process each
+array whole, and process 0 saves it (blujax.checkpoint).
 
 To try it on one machine with CPU devices (two processes of 4 devices, gloo collectives):
 

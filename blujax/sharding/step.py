@@ -56,26 +56,45 @@ def init_sharded_state(config: gpt2.GPT2Config, tcfg: train.TrainConfig, key, me
 
 
 def shard_state(state: train.TrainState, mesh, *, shard_optimizer: bool = False):
-    """A single-device TrainState (say, a restored checkpoint) placed on `mesh`."""
+    """A single-device TrainState (say, a restored checkpoint) placed on `mesh`. With several
+    processes, every process passes the same whole state (each its own copy)."""
+    if jax.process_count() > 1:
+        # device_put takes host arrays, not another device's, for a mesh that spans processes
+        # (each process then puts in the pieces its devices hold).
+        state = jax.device_get(state)
     state = to_parallel_state(state)
     return jax.device_put(state, state_shardings(state, mesh, shard_optimizer))
 
 
 def unshard_params(params):
-    """The model's params (global arrays) from the sharded state's."""
-    return jax.jit(from_parallel_layout)(params)
+    """The model's params (global arrays) from the sharded state's. With several processes,
+    every process calls it, and each gets every array whole (replicated over the mesh)."""
+    return _whole_on_every_process(from_parallel_layout, params)
 
 
 def unshard_state(state: train.TrainState) -> train.TrainState:
     """The whole sharded state (params and AdamW's moments) in train.init_state's layout, as
     global arrays: what a checkpoint keeps, so that shard_state can put it back on a mesh of
-    any shape, or a single-device run can take it as it is."""
-    return jax.jit(from_parallel_state)(state)
+    any shape, or a single-device run can take it as it is. With several processes, every
+    process calls it, and each gets every array whole (replicated over the mesh), so that one
+    of them can save it."""
+    return _whole_on_every_process(from_parallel_state, state)
+
+
+def _whole_on_every_process(f, tree):
+    """jit(f)(tree), its outputs whole on every process: replicated over the mesh with several
+    processes; with one, laid out as XLA likes (no copies it does not need: the process
+    reaches every shard anyway)."""
+    if jax.process_count() == 1:
+        return jax.jit(f)(tree)
+    replicated = NamedSharding(jax.tree.leaves(tree)[0].sharding.mesh, P())
+    return jax.jit(f, out_shardings=replicated)(tree)
 
 
 def batch_sharding(mesh) -> NamedSharding:
     """How a global batch [accum_steps, B, T] is best placed: B over "data". (On several
-    hosts, build it with jax.make_array_from_process_local_data(batch_sharding(mesh), ...).)"""
+    hosts, where each process holds the whole batch, build it with
+    jax.make_array_from_callback(shape, batch_sharding(mesh), lambda index: batch[index]).)"""
     return NamedSharding(mesh, P(None, DATA))
 
 
