@@ -6,9 +6,12 @@ import zlib
 
 # Before JAX starts a backend: the CPU platform gets 8 devices, so shard_map tests run on a
 # laptop or CI; on a GPU machine the GPUs are unaffected.
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# On a GPU, XLA's deterministic mode: the CLI's resume test compares a resumed run with a
+# straight one bit for bit, and XLA's scatter-add (the embedding gradient) otherwise sums
+# with atomics in any order. (Our kernels are deterministic either way.)
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_gpu_deterministic_ops=true"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # On a GPU, JAX would take 75% of its memory up front in the pytest process, and the CLI tests'
 # train subprocesses (which inherit this) would run out of memory beside it.

@@ -526,3 +526,18 @@ def test_a_signal_asks_for_a_stop_after_the_step():
         os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
         assert stop.requested
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_validation_batches_split_over_data_parallel_ranks(tmp_path):
+    """A validation split too small for a full batch gives a batch of as many rows as fit,
+    rounded down to a multiple of --dp, so that the sharded eval step can split it."""
+    from blujax import data
+    from blujax.cli.corpus import DataSource, val_batches
+    rng = np.random.default_rng(0)
+    val = data.write_shard(tmp_path / "v_val_000000.bin", rng.integers(0, 50257, 7 * 16 + 1))
+    source = DataSource("synthetic", [], [val])
+    (x, y), = val_batches(source, batch=32, seq=16, max_batches=None)
+    assert x.shape == y.shape == (7, 16)
+    (x, _), = val_batches(source, batch=32, seq=16, max_batches=None, rows_multiple=2)
+    assert x.shape == (6, 16)
+    assert val_batches(source, batch=32, seq=16, max_batches=None, rows_multiple=8) == []

@@ -225,17 +225,21 @@ def download(url: str, dest: Path, *, sha256: str | None, progress: bool, timeou
 # The validation batches
 
 
-def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | None) -> list:
+def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | None,
+                rows_multiple: int = 1) -> list:
     """The first max_batches (all if None) batches of the validation split, in order, on the
-    device; fewer rows when the split is too small for a full batch; none without a split.
+    device; fewer rows when the split is too small for a full batch (a multiple of
+    rows_multiple, the data-parallel size, so that they split over it); none without a split.
     Whole batches, with several processes too (each process reads all of them)."""
     if not source.val:
         return []
     counts = [data.read_header(p) for p in source.val]
     rows = min(batch, (max(counts) - 1) // seq)
+    rows -= rows % rows_multiple
     if rows < 1:
-        print(f"warning: the validation split ({max(counts)} tokens) is shorter than one "
-              f"sequence of --seq {seq}: no validation loss", file=sys.stderr)
+        print(f"warning: the validation split ({max(counts)} tokens) is shorter than "
+              f"{max(rows_multiple, 1)} sequence(s) of --seq {seq}: no validation loss",
+              file=sys.stderr)
         return []
     batches = []
     with data.DataLoader(source.val, None, batch_size=rows, seq_len=seq, shuffle=False,

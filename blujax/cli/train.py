@@ -68,7 +68,7 @@ def cmd_train(args) -> int:
         counts = [data.read_header(p) for p in source.train]
         loader = _open_loader(s, source, counts, saved)
         fingerprint = loader.state()["shards"]
-        val = val_batches(source, s.batch, s.seq, s.eval_batches) if s.eval_every else []
+        val = val_batches(source, s.batch, s.seq, s.eval_batches, s.dp) if s.eval_every else []
 
         ops = model_ops.get(s.ops)
         train_config = training_config(s)
