@@ -31,6 +31,9 @@ constexpr int kThreads = 256;
 constexpr int kVec = 4;  // elements per access: 16 bytes of float32 moments
 constexpr int kUnroll = 2;  // 4 holds more loads per thread but needs ~115 registers (2 blocks/SM)
 constexpr int kChunk = kThreads * kVec * kUnroll;  // 2048 elements
+// Waves of blocks in a launch's grid: more than one lets a block's loads overlap with the
+// arithmetic and stores of the blocks before it on the same multiprocessor.
+constexpr int64_t kWaves = 8;
 // The parameter block of one launch stays under the classic 4 KiB kernel-parameter limit.
 constexpr int kMaxTensors = 48;
 
@@ -186,8 +189,8 @@ AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict
 }
 
 // Resident blocks per multiprocessor, looked up once per device (not a stream operation, so
-// allowed during graph capture). The grid is sized to exactly fill the device: each block
-// strides over chunks, and a partial last wave would leave multiprocessors idle.
+// allowed during graph capture). The grid is kWaves whole waves of blocks (or fewer blocks,
+// one per chunk): each block strides over chunks.
 template <typename T>
 int BlocksPerSm(int device) {
   static std::atomic<int> cache[64];
@@ -214,7 +217,7 @@ ffi::Error LaunchAdamW(cudaStream_t stream, int device, const std::vector<AdamWT
   auto launch = [&]() -> ffi::Error {
     if (batch.count == 0) return ffi::Error::Success();
     const int64_t chunks = batch.chunk_start[batch.count];
-    const unsigned grid = static_cast<unsigned>(std::min(chunks, max_blocks));
+    const unsigned grid = static_cast<unsigned>(std::min(chunks, max_blocks * kWaves));
     AdamWKernel<T><<<grid, kThreads, 0, stream>>>(batch, hparams, c);
     batch.count = 0;
     return LastCudaError("blujax_adamw");
