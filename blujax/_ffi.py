@@ -67,19 +67,3 @@ def require_kernels(op: str) -> None:
             f"blujax.{op}: JAX runs on a GPU but blujax was built without its CUDA kernels "
             f"(blujax._cuda: {missing.get('cuda')}).\n{_REBUILD_HINT}"
         )
-
-
-def require_target(op: str, target: str) -> None:
-    """Like require_kernels, and the backend JAX runs on must also have `target` itself.
-
-    For an op whose CUDA kernel is not written yet: on a GPU this raises at trace time rather
-    than letting XLA fail at compile time (or anything fall back to jnp quietly).
-    """
-    require_kernels(op)
-    if current_platform() == "gpu":
-        cuda = _load()[0]["cuda"]
-        if target not in cuda.registrations():
-            raise NotImplementedError(
-                f"blujax.{op} has no CUDA kernel yet; run it on the CPU (JAX_PLATFORMS=cpu) "
-                f"or use blujax.kernels.xla.{op}"
-            )

@@ -39,19 +39,3 @@ def test_missing_cuda_kernels_on_a_gpu_is_an_error_not_a_fallback(monkeypatch):
     monkeypatch.setattr(_ffi, "current_platform", lambda: "gpu")
     with pytest.raises(RuntimeError, match="(?s)built without its CUDA kernels.*BLUJAX_CUDA=ON"):
         kernels.layer_norm(jnp.ones((2, 4)), jnp.ones(4), jnp.ones(4))
-
-
-def test_require_target_refuses_a_gpu_without_the_kernel(monkeypatch):
-    # For an op whose CUDA kernel is still to come: a CUDA library that lacks the target.
-    class CudaWithoutIt:
-        @staticmethod
-        def registrations():
-            return {"blujax_layer_norm_fwd": None}
-
-    monkeypatch.setattr(_ffi, "_load", lambda: ({"cpu": _ffi, "cuda": CudaWithoutIt}, {}))
-    monkeypatch.setattr(_ffi, "current_platform", lambda: "gpu")
-    with pytest.raises(NotImplementedError, match=r"blujax.new_op has no CUDA kernel yet; "
-                       r"run it on the CPU \(JAX_PLATFORMS=cpu\) or use "
-                       r"blujax.kernels.xla.new_op"):
-        _ffi.require_target("new_op", "blujax_new_op_fwd")
-    _ffi.require_target("layer_norm", "blujax_layer_norm_fwd")  # registered there: no error
