@@ -125,7 +125,8 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
            "compile_s": compile_s}
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if mem is not None and limit and mem > limit:
-        row["error"] = f"needs {mem / 1e9:.1f} GB per GPU, more than the {limit / 1e9:.1f} GB it has"
+        row["error"] = (f"needs {mem / 1e9:.1f} GB per GPU, more than the {limit / 1e9:.1f} GB "
+                        f"it has")
         return row
     state, m, step_s = time_steps(compiled, state, x, y, steps)
     row.update(step_ms=step_s * 1e3, tokens_per_s=global_batch * seq / step_s,

@@ -11,8 +11,9 @@ embedding tied to the LM head, the vocabulary padded to a multiple of 128 (50304
 matrix product tiles evenly; the padded rows start at zero and no loss reaches them.
 
 The layers' parameters are stacked along a leading axis; the blocks run under `lax.scan`, so
-compile time does not grow with depth, or as a Python loop on a GPU (see `forward`). Each residual add is fused into the LayerNorm after
-it (`add_layer_norm`): the carry is (residual stream, the sublayer output not yet added).
+compile time does not grow with depth, or as a Python loop on a GPU (see `forward`). Each
+residual add is fused into the LayerNorm after it (`add_layer_norm`): the carry is (residual
+stream, the sublayer output not yet added).
 """
 
 from __future__ import annotations

@@ -110,14 +110,13 @@ def _gather_matmul(x, w, n):
     to_previous = [(j, (j - 1) % n) for j in range(n)]
     out = None
     for step in range(n):
-        if step < n - 1:  # issued first: it does not wait for this step's product
-            incoming = jax.lax.ppermute(x, TENSOR, to_previous)
+        # The next slice's transfer is issued first: it does not wait for this product.
+        incoming = jax.lax.ppermute(x, TENSOR, to_previous) if step < n - 1 else None
         y = x @ w
         if out is None:
-            out = jnp.zeros((*y.shape[:1], n * t, *y.shape[2:]), y.dtype)
+            out = jnp.zeros((y.shape[0], n * t, *y.shape[2:]), y.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, y, ((i + step) % n) * t, axis=1)
-        if step < n - 1:
-            x = incoming
+        x = incoming
     return out
 
 
