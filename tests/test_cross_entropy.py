@@ -1,10 +1,11 @@
-"""blujax.kernels.softmax_cross_entropy (and its per-row, vocab-parallel entries) against the jnp
-spec (blujax.kernels.xla.softmax_cross_entropy).
+"""blujax.kernels.softmax_cross_entropy (and its per-row, vocab-parallel and mean entries) against
+the jnp specs (blujax.kernels.xla.softmax_cross_entropy, softmax_cross_entropy_mean).
 
 Runs the CPU kernels on CPU and the CUDA kernels wherever JAX runs on a GPU.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from jax.test_util import check_grads
 
 from blujax import kernels as ops
 from blujax.kernels import xla as spec
+from blujax.kernels.cross_entropy import _softmax_cross_entropy_mean_unaliased
 from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -362,6 +364,313 @@ def test_lowers_for_cuda():
     assert "output_operand_aliases" in text
 
 
+# --- the mean loss, whose forward writes the gradient -------------------------------------------
+
+def _mean_targets(rng, n, v, ignore_index=-1):
+    """Class ids in [0, v) with one ignored row (n >= 2): a finite mean."""
+    t = rng.integers(0, v, n)
+    if n >= 2:
+        t[n // 2] = ignore_index
+    return jnp.asarray(t, jnp.int32)
+
+
+def _value_and_grad(fn, x):
+    return jax.jit(jax.value_and_grad(fn))(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n,v,k", [(1, 1, None), (7, 3, None), (37, 1001, None),
+                                   (5, 50257, None), (3, 50304, 50257)], ids=str)
+def test_mean_values_and_grads(rng, n, v, k, dtype):
+    x, t = _logits(rng, n, v, dtype), _mean_targets(rng, n, k or v)
+    loss, dx = _value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t, num_classes=k), x)
+    loss_ref, dx_ref = _value_and_grad(
+        lambda x: spec.softmax_cross_entropy_mean(x, t, num_classes=k), x)
+    assert loss.dtype == jnp.float32 and loss.shape == ()
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    assert_close(loss, loss_ref, jnp.float32, factor=2)
+    # The gradient is about 1/count: compare on its own scale, not the default floor of 1.
+    floor = float(np.max(np.abs(np.asarray(dx_ref, np.float32))))
+    assert_close(dx, dx_ref, dtype, factor=2, floor=floor)
+    if n >= 2:
+        np.testing.assert_array_equal(np.asarray(dx[n // 2], np.float32), 0.0)
+    if k is not None:
+        np.testing.assert_array_equal(np.asarray(dx[:, k:], np.float32), 0.0)
+    # Not differentiated: the loss-only kernel, the same value.
+    assert_close(jax.jit(lambda x: ops.softmax_cross_entropy_mean(x, t, num_classes=k))(x),
+                 loss_ref, jnp.float32, factor=2)
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 0, -100])
+def test_mean_ignored_rows(rng, ignore_index):
+    n, v = 9, 33
+    x = _logits(rng, n, v, jnp.float32)
+    t = jnp.asarray(rng.integers(1, v, n), jnp.int32).at[jnp.array([2, 5, 6])].set(ignore_index)
+    f = functools.partial(ops.softmax_cross_entropy_mean, ignore_index=ignore_index)
+    f_ref = functools.partial(spec.softmax_cross_entropy_mean, ignore_index=ignore_index)
+    loss, dx = _value_and_grad(lambda x: f(x, t), x)
+    loss_ref, dx_ref = _value_and_grad(lambda x: f_ref(x, t), x)
+    # The mean over the 6 counted rows, not over all 9.
+    per_row = spec.softmax_cross_entropy(x, t, ignore_index=ignore_index)
+    assert_close(loss, jnp.sum(per_row) / 6, jnp.float32)
+    assert_close(loss, loss_ref, jnp.float32)
+    assert_close(dx, dx_ref, jnp.float32, floor=1 / 6)
+    np.testing.assert_array_equal(np.asarray(dx)[[2, 5, 6]], 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mean_all_rows_ignored(rng, dtype):
+    x = _logits(rng, 5, 40, dtype)
+    t = jnp.full((5,), -1, jnp.int32)
+    loss, dx = _value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t), x)
+    assert loss.dtype == jnp.float32 and float(loss) == 0.0
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), 0.0)
+    assert float(spec.softmax_cross_entropy_mean(x, t)) == 0.0
+    # No rows at all: the same.
+    e = jnp.ones((0, 50), dtype)
+    e_loss, e_dx = _value_and_grad(
+        lambda x: ops.softmax_cross_entropy_mean(x, jnp.zeros((0,), jnp.int32)), e)
+    assert float(e_loss) == 0.0 and e_dx.shape == (0, 50)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mean_unknown_target_is_nan(rng, dtype):
+    # A target outside [0, num_classes) makes the mean NaN and its own gradient row NaN over
+    # the classes (zero over the padding); the other rows keep their finite gradient.
+    n, v, k = 6, 300, 290
+    x, t = _logits(rng, n, v, dtype), _mean_targets(rng, n, k)
+    t = t.at[1].set(v + 2).at[4].set(k + 3)
+    f = lambda x: ops.softmax_cross_entropy_mean(x, t, num_classes=k)
+    loss, dx = _value_and_grad(f, x)
+    loss_ref, dx_ref = _value_and_grad(
+        lambda x: spec.softmax_cross_entropy_mean(x, t, num_classes=k), x)
+    assert np.isnan(loss) and np.isnan(loss_ref)
+    dx32 = np.asarray(dx, np.float32)
+    for row in (1, 4):
+        assert np.all(np.isnan(dx32[row, :k])) and np.all(dx32[row, k:] == 0)
+    assert_close_nan(dx, dx_ref, dtype, factor=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mean_cotangent_not_one(rng, dtype):
+    n, v = 13, 257
+    x, t = _logits(rng, n, v, dtype), _mean_targets(rng, n, v)
+
+    def scaled(op, x):
+        return 3.0 * op(x, t)
+
+    def inside(op, x):  # the loss feeds a larger expression, with x used elsewhere too
+        y = x * 2.0  # exact in bfloat16, which XLA may otherwise fuse at higher precision
+        return jnp.sin(op(y, t)) * op(x, t) + jnp.sum(y.astype(jnp.float32)) * 1e-3
+
+    def rematerialised(op, x):  # the fused forward runs again inside the backward
+        return jax.checkpoint(functools.partial(inside, op))(x)
+
+    for fn in (scaled, inside, rematerialised):
+        got = _value_and_grad(functools.partial(fn, ops.softmax_cross_entropy_mean), x)
+        want = _value_and_grad(functools.partial(fn, spec.softmax_cross_entropy_mean), x)
+        assert_close(got[0], want[0], jnp.float32, factor=2)
+        floor = float(np.max(np.abs(np.asarray(want[1], np.float32))))
+        assert_close(got[1], want[1], dtype, factor=2, floor=floor)
+    # A traced cotangent, through vjp.
+    ct = jnp.float32(rng.standard_normal())
+    _, dx = _vjp(lambda x: ops.softmax_cross_entropy_mean(x, t), x, ct)
+    _, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy_mean(x, t), x, ct)
+    floor = float(np.max(np.abs(np.asarray(dx_ref, np.float32))))
+    assert_close(dx, dx_ref, dtype, factor=2, floor=floor)
+
+
+def _big_ops(hlo_text, shape):
+    """The entry computation's instructions that produce a `shape` array, by opcode."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):]
+    dims = ",".join(map(str, shape))
+    found = []
+    for line in entry.splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[" + dims + r"\]\{[^}]*\} ([\w-]+)\(", line)
+        if m:
+            found.append(m.group(2))
+    return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mean_grad_is_one_pass(rng, dtype):
+    """Under jax.grad the backward's multiply by the cotangent (1) is simplified away: nothing
+    but the fused kernel produces an [N, V] array. With 3 * loss, one elementwise pass does."""
+    n, v = 37, 1001
+    x, t = _logits(rng, n, v, dtype), _mean_targets(rng, n, v)
+
+    def compiled(fn):
+        return jax.jit(jax.grad(fn), donate_argnums=0).lower(x).compile().as_text()
+
+    text = compiled(lambda x: ops.softmax_cross_entropy_mean(x, t))
+    assert "blujax_cross_entropy_loss_grad" in text and "blujax_cross_entropy_fwd" not in text
+    assert set(_big_ops(text, (n, v))) <= {"parameter", "get-tuple-element"}, text
+    scaled = _big_ops(compiled(lambda x: 3 * ops.softmax_cross_entropy_mean(x, t)), (n, v))
+    assert {"fusion", "multiply"} & set(scaled), scaled
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 33)], ids=str)
+def test_mean_check_grads_float64(rng, shape):
+    n, v = shape
+    with cpu_float64():
+        x = randn(rng, shape, jnp.float64, 2.0)
+        t = _mean_targets(rng, n, v)
+        f = lambda x: ops.softmax_cross_entropy_mean(x, t)
+        assert f(x).dtype == jnp.float64
+        assert_close(f(x), spec.softmax_cross_entropy_mean(x, t), jnp.float64)
+        check_grads(f, (x,), order=1, modes=("rev",))  # with random cotangents, not only 1
+
+
+def test_mean_vmap(rng):
+    b, n, v = 3, 5, 129
+    x = _logits(rng, b * n, v, jnp.float32).reshape(b, n, v)
+    t = jnp.stack([_mean_targets(rng, n, v) for _ in range(b)]).at[1].set(-1)  # one all ignored
+
+    def run(op, x, t):
+        return (jax.vmap(op)(x, t),
+                jax.vmap(op, (0, None))(x, t[0]),
+                jax.vmap(jax.value_and_grad(op))(x, t),  # one scale per batch member
+                jax.vmap(jax.grad(op), (0, None))(x, t[2]))
+
+    got = jax.jit(functools.partial(run, ops.softmax_cross_entropy_mean))(x, t)
+    want = jax.jit(functools.partial(run, spec.softmax_cross_entropy_mean))(x, t)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, jnp.float32, factor=2, floor=0.1)
+
+
+def test_mean_shard_map(rng):
+    devices = mesh_devices()
+    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
+    d, rows, v = len(devices), 3, 1001
+    x, t = _logits(rng, d * rows, v, jnp.float32), _mean_targets(rng, d * rows, v)
+    t = t.at[0].set(-1).at[1].set(-1)  # device 0 counts one row of three
+
+    @jax.jit
+    def per_device(x, t):  # each device's mean over its own rows
+        body = lambda x, t: ops.softmax_cross_entropy_mean(x, t)[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
+                             out_specs=P("data"))(x, t)
+
+    def per_device_ref(x):
+        return jax.vmap(spec.softmax_cross_entropy_mean)(x.reshape(d, rows, v),
+                                                         t.reshape(d, rows))
+
+    weights = jnp.arange(1.0, d + 1)  # a different cotangent per device
+
+    def weighted(f, x):
+        means = f(x)
+        return jnp.sum(means * weights), means
+
+    got = jax.jit(jax.value_and_grad(functools.partial(weighted, lambda x: per_device(x, t)),
+                                     has_aux=True))(x)
+    want = jax.value_and_grad(functools.partial(weighted, per_device_ref), has_aux=True)(x)
+    assert_close(got[0][1], want[0][1], jnp.float32)  # the per-device means
+    assert_close(got[1], want[1], jnp.float32, factor=2, floor=0.1)
+    hlo = per_device.lower(x, t).as_text()
+    assert "blujax_cross_entropy_fwd" in hlo and "all-gather" not in hlo
+
+
+def test_mean_gradient_into_logits_buffer_is_safe(rng):
+    n, v = 7, 300
+    x = _logits(rng, n, v, jnp.float32)
+    x_before = np.asarray(x).copy()
+    t1, t2 = _mean_targets(rng, n, v), jnp.asarray(rng.integers(0, v, n), jnp.int32)
+
+    # Eager: the fused kernel's input is the caller's array.
+    _, dx = jax.value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t1))(x)
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+
+    def two_losses(op, x):
+        # One logits buffer, two fused kernels on it, and the logits returned as well.
+        y = x * 2.0
+        return op(y, t1) + 3 * op(y, t2), y
+
+    got = jax.jit(jax.value_and_grad(
+        functools.partial(two_losses, ops.softmax_cross_entropy_mean), has_aux=True))(x)
+    want = jax.value_and_grad(
+        functools.partial(two_losses, spec.softmax_cross_entropy_mean), has_aux=True)(x)
+    np.testing.assert_array_equal(np.asarray(got[0][1]), np.asarray(want[0][1]))
+    assert_close(got[0][0], want[0][0], jnp.float32)
+    assert_close(got[1], want[1], jnp.float32, factor=2, floor=0.1)
+    np.testing.assert_array_equal(np.asarray(x), x_before)
+
+
+def test_mean_unaliased_is_the_same_op(rng):
+    n, v = 9, 70
+    x, t = _logits(rng, n, v, jnp.bfloat16), _mean_targets(rng, n, v)
+    a = _value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t), x)
+    b = _value_and_grad(lambda x: _softmax_cross_entropy_mean_unaliased(x, t), x)
+    for u, w in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(w, np.float32))
+
+
+def test_mean_lowers_for_cuda():
+    x, t = jnp.ones((4, 50257), jnp.bfloat16), jnp.zeros(4, jnp.int32)
+    f = jax.jit(jax.value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t)))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@blujax_cross_entropy_loss_grad" in text and "output_operand_aliases" in text
+    assert "@blujax_cross_entropy_fwd" not in text and "@blujax_cross_entropy_bwd" not in text
+    primal = jax.jit(lambda x: ops.softmax_cross_entropy_mean(x, t))
+    text = primal.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@blujax_cross_entropy_fwd" in text and "loss_grad" not in text
+
+
+def test_mean_bad_arguments_raise_clear_errors(rng):
+    x = randn(rng, (4, 8), jnp.float32)
+    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    ce = ops.softmax_cross_entropy_mean
+    with pytest.raises(ValueError, match=r"softmax_cross_entropy_mean: num_classes must be in"):
+        ce(x, t, num_classes=9)
+    with pytest.raises(TypeError, match="num_classes must be a Python int"):
+        ce(x, t, num_classes=4.0)
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        ce(x[None], t[None])
+    with pytest.raises(ValueError, match=r"targets must have shape \(4,\)"):
+        ce(x, t[:3])
+    with pytest.raises(TypeError, match="targets must be int32.*float32"):
+        ce(x, t.astype(jnp.float32))
+    with pytest.raises(TypeError, match="logits has dtype float16"):
+        ce(x.astype(jnp.float16), t)
+    with pytest.raises(ValueError, match="no classes"):
+        ce(jnp.ones((4, 0)), t)
+    with pytest.raises(TypeError, match="ignore_index must be a Python int"):
+        ce(x, t, ignore_index=1.5)
+    with pytest.raises(ValueError, match="ignore_index must fit in int32"):
+        ce(x, t, ignore_index=-(2**31) - 1)
+
+
+@pytest.mark.parametrize("case", ["targets_dtype", "targets_size", "scale_dtype", "scale_groups",
+                                  "loss_size", "loss_dtype", "dlogits_shape", "dlogits_dtype",
+                                  "logits_dtype", "num_classes"])
+def test_loss_grad_handler_rejects_inconsistent_buffers(rng, case):
+    x = randn(rng, (4, 8), jnp.float32)
+    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    sds = jax.ShapeDtypeStruct
+    r4, out = sds((4,), jnp.float32), sds((4, 8), jnp.float32)
+    one = jnp.float32(0.25)
+    attrs = dict(ignore_index=np.int64(-1), num_classes=np.int64(8))
+    call = functools.partial(_raw, "blujax_cross_entropy_loss_grad")
+    calls = {
+        "targets_dtype": lambda: call((r4, out), x, t.astype(jnp.float32), one, **attrs),
+        "targets_size": lambda: call((r4, out), x, t[:3], one, **attrs),
+        "scale_dtype": lambda: call((r4, out), x, t, jnp.bfloat16(1), **attrs),
+        "scale_groups": lambda: call((r4, out), x, t, jnp.ones(3, jnp.float32), **attrs),
+        "loss_size": lambda: call((sds((5,), jnp.float32), out), x, t, one, **attrs),
+        "loss_dtype": lambda: call((sds((4,), jnp.bfloat16), out), x, t, one, **attrs),
+        "dlogits_shape": lambda: call((r4, sds((4, 9), jnp.float32)), x, t, one, **attrs),
+        "dlogits_dtype": lambda: call((r4, sds((4, 8), jnp.bfloat16)), x, t, one, **attrs),
+        "logits_dtype": lambda: call((r4, sds((4, 8), jnp.int32)), x.astype(jnp.int32), t, one,
+                                     **attrs),
+        "num_classes": lambda: call((r4, out), x, t, one, ignore_index=np.int64(-1),
+                                    num_classes=np.int64(0)),
+    }
+    with pytest.raises(Exception, match="blujax_cross_entropy_loss_grad"):
+        jax.block_until_ready(calls[case]())
+
+
 # --- errors a user can act on, at trace time ----------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors(rng):
@@ -479,3 +788,32 @@ def test_cuda_many_rows(rng, v, dtype):
     loss_ref, dx_ref = _vjp(lambda x: spec.softmax_cross_entropy(x, t), x, ct)
     assert_close_nan(loss, loss_ref, jnp.float32, factor=2)
     assert_close_nan(dx, dx_ref, dtype, factor=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n,v", [(2053, 50257), (257, 50304), (37, 60001), (17001, 4099),
+                                 (140003, 131)], ids=str)
+def test_cuda_mean_paths(rng, n, v, dtype):
+    # Every kernel path: rows cached in shared memory (50257, 50304; bfloat16 60001), rows too
+    # long for it (float32 60001 on an H100), more rows than blocks with a block per row
+    # (float32 4099) and with a warp per row (131), and bfloat16 rows at every alignment.
+    x, t = _logits(rng, n, v, dtype), _mean_targets(rng, n, v)
+    t = t.at[3].set(-1).at[n - 1].set(-1)
+    loss, dx = _value_and_grad(lambda x: ops.softmax_cross_entropy_mean(x, t), x)
+    loss_ref, dx_ref = _value_and_grad(lambda x: spec.softmax_cross_entropy_mean(x, t), x)
+    assert_close(loss, loss_ref, jnp.float32, factor=2)
+    floor = float(np.max(np.abs(np.asarray(dx_ref, np.float32))))
+    assert_close(dx, dx_ref, dtype, factor=2, floor=floor)
+
+
+@pytest.mark.gpu
+def test_cuda_loss_grad_rejects_float64_buffers():
+    with jax.enable_x64(True):
+        x = np.ones((4, 8), np.float64)
+        sds = jax.ShapeDtypeStruct
+        with pytest.raises(Exception, match="unsupported logits dtype float64"):
+            outs = (sds((4,), jnp.float64), sds((4, 8), jnp.float64))
+            jax.block_until_ready(_raw(
+                "blujax_cross_entropy_loss_grad", outs, x, np.zeros(4, np.int32), np.float64(1),
+                ignore_index=np.int64(-1), num_classes=np.int64(8)))

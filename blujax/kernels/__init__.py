@@ -10,6 +10,7 @@ from blujax.kernels.cross_entropy import (
     cross_entropy_grad,
     cross_entropy_stats,
     softmax_cross_entropy,
+    softmax_cross_entropy_mean,
     vocab_parallel_softmax_cross_entropy,
 )
 from blujax.kernels.gelu import gelu
@@ -26,5 +27,6 @@ __all__ = [
     "gelu",
     "layer_norm",
     "softmax_cross_entropy",
+    "softmax_cross_entropy_mean",
     "vocab_parallel_softmax_cross_entropy",
 ]

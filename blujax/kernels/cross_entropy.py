@@ -6,6 +6,12 @@ logits). The forward reads the logits once and saves the per-row log-sum-exp; th
 reads them once more and writes dlogits in the same pass, into the logits' own buffer (see
 `softmax_cross_entropy`). The jnp specification is `blujax.kernels.xla.softmax_cross_entropy`.
 
+`softmax_cross_entropy_mean` is the mean of those losses, the usual training loss. Its gradient
+per row is softmax - onehot times the cotangent over the row count, and the cotangent of the
+loss itself is known before any backward (1 under `jax.grad`), so when it is differentiated
+its forward is one kernel that reads each row once and writes dlogits from it while the row is
+on chip: fwd+bwd is one read and one write of the logits instead of two reads and a write.
+
 For logits split over devices along the vocabulary (tensor parallelism), the same kernels are
 exposed per row: `cross_entropy_stats` gives each device's partial (max, sum of exps, target
 logit), the caller combines them with `pmax`/`psum`, and `cross_entropy_grad` writes each
@@ -56,6 +62,36 @@ def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
     targets, ignore_index = _prepare(op, logits, targets, ignore_index)
     classes = _num_classes(op, num_classes, logits.shape[-1])
     return _softmax_cross_entropy(logits, targets, ignore_index, classes, True)
+
+
+def softmax_cross_entropy_mean(logits, targets, *, ignore_index: int = -1,
+                               num_classes: int | None = None):
+    """The mean of `softmax_cross_entropy` over the rows whose target is not ignore_index.
+
+    A float32 scalar (float64 for float64 logits); 0.0 when every row is ignored. Arguments,
+    checks and rules are those of `softmax_cross_entropy`: a row whose target is outside the
+    vocabulary makes the mean NaN (and its gradient row NaN).
+
+    Differentiated, the forward computes the gradient too: one kernel reads each row of the
+    logits once and writes its row of dlogits = (softmax - onehot) / count, into the logits'
+    buffer as `softmax_cross_entropy` describes; the backward only multiplies by the cotangent,
+    which XLA removes where that is the 1 of `jax.grad`. Not differentiated (an eval step), it
+    runs the loss-only forward kernel.
+    """
+    op = "softmax_cross_entropy_mean"
+    targets, ignore_index = _prepare(op, logits, targets, ignore_index)
+    classes = _num_classes(op, num_classes, logits.shape[-1])
+    return _softmax_cross_entropy_mean(logits, targets, ignore_index, classes, True)
+
+
+def _softmax_cross_entropy_mean_unaliased(logits, targets, *, ignore_index: int = -1,
+                                          num_classes: int | None = None):
+    """softmax_cross_entropy_mean whose gradient gets a buffer of its own (for the benchmarks),
+    as `_softmax_cross_entropy_unaliased`."""
+    op = "softmax_cross_entropy_mean"
+    targets, ignore_index = _prepare(op, logits, targets, ignore_index)
+    classes = _num_classes(op, num_classes, logits.shape[-1])
+    return _softmax_cross_entropy_mean(logits, targets, ignore_index, classes, False)
 
 
 def _softmax_cross_entropy_unaliased(logits, targets, *, ignore_index: int = -1,
@@ -266,6 +302,19 @@ def _grad_call(logits, targets, lse, g, vocab_start, ignore_index, num_classes, 
       num_classes=np.int64(num_classes))
 
 
+def _loss_grad_call(logits, targets, scale, ignore_index, num_classes, alias=True):
+    """(per-row loss, dlogits = (softmax - onehot) * scale) in one pass over the logits."""
+    logits, targets, scale = match_vma(logits, targets, scale)
+    row = result_type(logits, logits.shape[:-1], _stat_dtype(logits.dtype))
+    # As in _grad_call: with alias dlogits reuses the logits buffer, XLA copying them first
+    # wherever they are still live.
+    return jax.ffi.ffi_call(
+        "blujax_cross_entropy_loss_grad", (row, result_type(logits)),
+        vmap_method="broadcast_all", input_output_aliases={0: 1} if alias else None,
+    )(logits, targets, scale, ignore_index=np.int64(ignore_index),
+      num_classes=np.int64(num_classes))
+
+
 # --- differentiable ops ---------------------------------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -285,6 +334,37 @@ def _softmax_cross_entropy_bwd(ignore_index, num_classes, alias, res, g):
 
 
 _softmax_cross_entropy.defvjp(_softmax_cross_entropy_fwd, _softmax_cross_entropy_bwd)
+
+
+def _counted_rows(targets, ignore_index, dtype):
+    """The mean's divisor: the rows that are not ignored, at least 1 (no rows: a mean of 0)."""
+    return jnp.maximum(jnp.sum(targets != ignore_index, axis=-1), 1).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _softmax_cross_entropy_mean(logits, targets, ignore_index, num_classes, alias):
+    # Not differentiated: the loss-only kernel, no gradient written.
+    loss = _fwd_call(logits, targets, ignore_index, num_classes)[0]
+    return jnp.sum(loss, axis=-1) / _counted_rows(targets, ignore_index, loss.dtype)
+
+
+def _softmax_cross_entropy_mean_fwd(logits, targets, ignore_index, num_classes, alias):
+    count = _counted_rows(targets, ignore_index, _stat_dtype(logits.dtype))
+    loss, dlogits = _loss_grad_call(logits, targets, 1 / count, ignore_index, num_classes, alias)
+    return jnp.sum(loss, axis=-1) / count, dlogits
+
+
+def _softmax_cross_entropy_mean_bwd(ignore_index, num_classes, alias, dlogits, g):
+    # The forward wrote the gradient for a cotangent of 1. Under jax.grad (and value_and_grad)
+    # g is that constant 1, and XLA's algebraic simplifier removes the multiply (and the
+    # converts around it for bfloat16), so fwd+bwd stays one read and one write of the logits;
+    # any other g costs one elementwise pass over dlogits. The product is taken in g's float32
+    # (float64) and rounded once to the logits' dtype.
+    return (dlogits.astype(g.dtype) * g).astype(dlogits.dtype), None
+
+
+_softmax_cross_entropy_mean.defvjp(_softmax_cross_entropy_mean_fwd,
+                                   _softmax_cross_entropy_mean_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -86,6 +86,16 @@ def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
     return jnp.where(ignored, 0.0, (lse - picked) * poison)
 
 
+def softmax_cross_entropy_mean(logits, targets, *, ignore_index: int = -1,
+                               num_classes: int | None = None):
+    """The mean of softmax_cross_entropy over the rows whose target is not ignore_index, a
+    float32 (float64) scalar; 0 when every row is ignored."""
+    losses = softmax_cross_entropy(logits, targets, ignore_index=ignore_index,
+                                   num_classes=num_classes)
+    count = jnp.sum(targets != ignore_index, axis=-1)
+    return jnp.sum(losses, axis=-1) / jnp.maximum(count, 1).astype(losses.dtype)
+
+
 def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = None):
     """(softmax(scale * q k^T [+ causal mask]) v, lse) over q [B, Tq, H, D], k, v [B, Tk, H, D].
 

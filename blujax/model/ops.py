@@ -33,6 +33,7 @@ XLA = types.SimpleNamespace(
     add_layer_norm=xla.add_layer_norm,
     gelu=xla.gelu,
     softmax_cross_entropy=xla.softmax_cross_entropy,
+    softmax_cross_entropy_mean=xla.softmax_cross_entropy_mean,
     attention=_dot_product_attention,
     # The parallel forms (blujax.sharding): ring attention merges partial results through
     # the log-sum-exp; tensor parallelism splits the vocabulary.

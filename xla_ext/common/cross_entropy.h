@@ -4,6 +4,7 @@
 // blujax_cross_entropy_fwd   (logits, targets) -> (loss, lse)
 // blujax_cross_entropy_stats (logits, targets, vocab_start) -> (row_max, sum_exp, target_logit)
 // blujax_cross_entropy_bwd   (logits, targets, lse, g, vocab_start) -> dlogits
+// blujax_cross_entropy_loss_grad (logits, targets, scale) -> (loss, dlogits)
 //
 // logits is [..., V]: every leading index is one row of V classes. targets holds one int32 per
 // row. vocab_start is int32 and a device operand (a sharded caller passes axis_index * V):
@@ -27,6 +28,13 @@
 // bwd (attribute ignore_index): dlogits = (exp(logits - lse) - [c == target - vocab_start]) * g;
 //   rows whose target == ignore_index are zeros (ignore_index is compared with the target as
 //   given, before vocab_start is subtracted).
+// loss_grad (attributes ignore_index, num_classes): fwd's loss and, in the same pass over each
+//   row, bwd's dlogits with g = scale (vocab_start 0): the gradient of a mean (scale = 1/count)
+//   while the row is on chip. scale is one value of the statistics dtype for all rows, or K
+//   values for K equal groups of rows, as vocab_start. Ignored rows: loss 0, zero gradient;
+//   other targets outside [0, num_classes): loss NaN, gradient NaN over the classes and zero
+//   beyond. dlogits may alias logits: every element (the target's included, which the loss
+//   needs) is read before it is written.
 #pragma once
 
 #include <cstdint>
@@ -81,17 +89,35 @@ inline ffi::Error CheckCrossEntropyRowValues(const char* op, const char* name,
   return CheckCount(op, name, b, shape.rows);
 }
 
+// A buffer of one value for all rows, or one per equal group of consecutive rows (what vmap's
+// "broadcast_all" makes of a scalar). Returns how many consecutive rows share one value.
+inline ffi::Error CheckRowGroupValues(const char* op, const char* name, const ffi::AnyBuffer& b,
+                                      ffi::DataType dtype, const CrossEntropyShape& shape,
+                                      int64_t* rows_per_value) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, b, dtype));
+  const int64_t k = static_cast<int64_t>(b.element_count());
+  if (k < 1 || (shape.rows > 0 && shape.rows % k != 0))
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b),
+                           "; it must hold one value, or one per equal group of the ", shape.rows,
+                           " rows");
+  *rows_per_value = shape.rows > 0 ? shape.rows / k : 1;
+  return ffi::Error::Success();
+}
+
 // Returns how many consecutive rows share one vocab_start value.
 inline ffi::Error CheckVocabStart(const char* op, const ffi::AnyBuffer& vocab_start,
                                   const CrossEntropyShape& shape, int64_t* rows_per_start) {
-  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "vocab_start", vocab_start, ffi::DataType::S32));
-  const int64_t k = static_cast<int64_t>(vocab_start.element_count());
-  if (k < 1 || (shape.rows > 0 && shape.rows % k != 0))
-    return InvalidArgument(op, ": vocab_start has shape ", ShapeString(vocab_start),
-                           "; it must hold one value, or one per equal group of the ", shape.rows,
-                           " rows");
-  *rows_per_start = shape.rows > 0 ? shape.rows / k : 1;
-  return ffi::Error::Success();
+  return CheckRowGroupValues(op, "vocab_start", vocab_start, ffi::DataType::S32, shape,
+                             rows_per_start);
+}
+
+// loss_grad's scale: the statistics dtype, one value or one per equal group of rows.
+inline ffi::Error CheckCrossEntropyScale(const char* op, const ffi::AnyBuffer& scale,
+                                         const ffi::AnyBuffer& logits,
+                                         const CrossEntropyShape& shape,
+                                         int64_t* rows_per_scale) {
+  return CheckRowGroupValues(op, "scale", scale, CrossEntropyStatType(logits.element_type()),
+                             shape, rows_per_scale);
 }
 
 // The number of leading columns of a row (of `vocab`, starting at global class `vocab_start`)

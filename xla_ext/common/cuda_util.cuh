@@ -41,6 +41,24 @@ inline int SmCount(int device) {
   return n;
 }
 
+// The most shared memory one block may use once its kernel opts in (cudaFuncSetAttribute with
+// cudaFuncAttributeMaxDynamicSharedMemorySize), looked up once per device like SmCount.
+inline int MaxSharedMemoryPerBlockOptin(int device) {
+  static std::atomic<int> cache[64];
+  if (device < 0 || device >= 64) device = 0;
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess ||
+        n <= 0) {
+      cudaGetLastError();  // not an error of the launch that follows
+      n = 48 << 10;        // what every device gives without opting in
+    }
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T> __device__ __forceinline__ T FromFloat(float v);

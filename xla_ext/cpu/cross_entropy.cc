@@ -4,6 +4,8 @@
 // Per row: m = max(x), s = sum(exp(x - m)), lse = m + log(s), loss = lse - x[target].
 // Backward, per element: dlogits = (exp(x - lse) - [c == target]) * g, in one pass; it reads
 // x[c] before writing dlogits[c], so dlogits may alias the logits buffer.
+// loss_grad does both for one row at a time (the gradient of a mean, g = scale, known before
+// the backward): the row is read twice here, but from the cache, and written once.
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +113,41 @@ void CrossEntropyBwdRows(const T* logits, const int32_t* targets, const Stat<T>*
   }
 }
 
+// logits and dlogits may be the same buffer.
+template <typename T>
+void CrossEntropyLossGradRows(const T* logits, const int32_t* targets, const Stat<T>* scale,
+                              int64_t rows_per_scale, Stat<T>* loss, T* dlogits,
+                              CrossEntropyShape shape, int64_t ignore_index, int64_t num_classes,
+                              int64_t r0, int64_t r1) {
+  using S = Stat<T>;
+  const S nan = std::numeric_limits<S>::quiet_NaN();
+  const int64_t cols = ValidColumns(num_classes, 0, shape.vocab);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = logits + r * shape.vocab;
+    T* out = dlogits + r * shape.vocab;
+    const int64_t t = targets[r];
+    if (t == ignore_index || t < 0 || t >= cols) {
+      // Ignored: no loss, no gradient. Unknown target: NaN loss and NaN over the classes. The
+      // row is not read.
+      const bool ignored = t == ignore_index;
+      loss[r] = ignored ? S(0) : nan;
+      for (int64_t c = 0; c < cols; ++c) Store(out, c, ignored ? S(0) : nan);
+      for (int64_t c = cols; c < shape.vocab; ++c) Store(out, c, S(0));
+      continue;
+    }
+    S m, s;
+    RowMaxSum(row, cols, &m, &s);
+    const S lse = m + std::log(s);
+    loss[r] = lse - Load(row, t);  // before the gradient overwrites the target's logit
+    const S k = scale[r / rows_per_scale];
+    for (int64_t c = 0; c < cols; ++c) {
+      const S p = std::exp(Load(row, c) - lse);
+      Store(out, c, (p - (c == t ? S(1) : S(0))) * k);
+    }
+    for (int64_t c = cols; c < shape.vocab; ++c) Store(out, c, S(0));
+  }
+}
+
 ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
                            ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                            int64_t ignore_index, int64_t num_classes) {
@@ -179,6 +216,30 @@ ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
   });
 }
 
+ffi::Error CrossEntropyLossGrad(ffi::ThreadPool pool, ffi::AnyBuffer logits,
+                                ffi::AnyBuffer targets, ffi::AnyBuffer scale,
+                                ffi::Result<ffi::AnyBuffer> loss,
+                                ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
+                                int64_t num_classes) {
+  const char* op = "blujax_cross_entropy_loss_grad";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  CrossEntropyShape shape;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
+  int64_t rows_per_scale = 1;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyScale(op, scale, logits, shape, &rows_per_scale));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  return DispatchFloat(logits.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
+      CrossEntropyLossGradRows<T>(In<T>(logits), In<int32_t>(targets), In<Stat<T>>(scale),
+                                  rows_per_scale, Out<Stat<T>>(loss), Out<T>(dlogits), shape,
+                                  ignore_index, num_classes, r0, r1);
+    });
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
@@ -214,8 +275,20 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                            .Attr<int64_t>("ignore_index")
                            .Attr<int64_t>("num_classes"));
 
+XLA_FFI_DEFINE_HANDLER(kCrossEntropyLossGrad, CrossEntropyLossGrad,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::ThreadPool>()
+                           .Arg<ffi::AnyBuffer>()   // logits [..., V]
+                           .Arg<ffi::AnyBuffer>()   // targets [...] int32
+                           .Arg<ffi::AnyBuffer>()   // scale [] or [K], the gradient's factor
+                           .Ret<ffi::AnyBuffer>()   // loss [...]
+                           .Ret<ffi::AnyBuffer>()   // dlogits [..., V], may alias logits
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"));
+
 BLUJAX_REGISTER(blujax_cross_entropy_fwd, kCrossEntropyFwd);
 BLUJAX_REGISTER(blujax_cross_entropy_stats, kCrossEntropyStats);
 BLUJAX_REGISTER(blujax_cross_entropy_bwd, kCrossEntropyBwd);
+BLUJAX_REGISTER(blujax_cross_entropy_loss_grad, kCrossEntropyLossGrad);
 
 }  // namespace blujax

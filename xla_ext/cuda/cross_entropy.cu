@@ -10,6 +10,15 @@
 // few elements before it (head) and after the last whole pack (tail) read one by one, so every
 // V and every row alignment (V = 50257 leaves bfloat16 rows at 8 different alignments) takes
 // the vectorised path.
+//
+// blujax_cross_entropy_loss_grad (the mean loss under differentiation) fuses the two: its
+// cotangent is known up front, so one kernel writes each row's loss and dlogits and the logits
+// are read from memory once. A long row belongs to one block, which copies it into shared
+// memory with cp.async (all of a thread's 16-byte packs in flight at once), takes the max and
+// sum of exps from there, and writes dlogits from there with streaming stores. Each thread
+// reads back only the packs it copied, so the cache needs no barrier. Rows that do not fit in
+// the block's shared memory (float32 V = 50k on an A100) read the row again from global
+// memory in the second pass, where it mostly hits L2; short rows go to a warp, as above.
 
 #include <algorithm>
 #include <cfloat>
@@ -74,7 +83,9 @@ __device__ __forceinline__ RawPack<T> NegInfPack() {
   return {{w, w, w, w}};
 }
 
-template <typename T>
+// kStream: an evict-first store, for output nothing reads soon (dlogits of the fused kernel,
+// which also leaves L2 to the logits it may read again).
+template <typename T, bool kStream = false>
 __device__ __forceinline__ void StoreFloats(T* p, const float (&v)[Pack<T>::kSize]) {
   uint4 raw;
   if constexpr (sizeof(T) == 4) {
@@ -87,7 +98,9 @@ __device__ __forceinline__ void StoreFloats(T* p, const float (&v)[Pack<T>::kSiz
       asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));
     raw = make_uint4(w[0], w[1], w[2], w[3]);
   }
-  __stwb(reinterpret_cast<uint4*>(p), raw);  // one 16-byte store (a plain assignment is split)
+  // one 16-byte store (a plain assignment is split)
+  if constexpr (kStream) __stcs(reinterpret_cast<uint4*>(p), raw);
+  else __stwb(reinterpret_cast<uint4*>(p), raw);
 }
 
 // Running (max m, sum of exp(x - m)). m starts at -FLT_MAX rather than -inf so that -inf
@@ -311,6 +324,175 @@ CrossEntropyBwdKernel(const T* logits, T* dlogits, BwdArgs a) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Loss and gradient of a row in one kernel (blujax_cross_entropy_loss_grad).
+
+// 16 bytes from global to shared memory without passing through registers (sm_80+: cp.async,
+// L1 bypassed), and the wait for all of this thread's copies.
+__device__ __forceinline__ void CopyAsync16(uint4* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+#else
+  *smem = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void CopyAsyncWaitAll() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Loads pack p of a row from the row itself; `body` is where its packs start (after the head).
+struct GlobalPacks {
+  template <typename T>
+  __device__ __forceinline__ RawPack<T> operator()(const T* body, int p) const {
+    return LoadRaw(body + int64_t(p) * Pack<T>::kSize);
+  }
+};
+
+// RowMaxSum with the packs from pack_at(body, p) and kSteps of them per thread per step. (The
+// forward keeps its own copy: sharing this one changed its register allocation.)
+template <typename T, int kGroup, int kSteps, typename PackAt>
+__device__ __forceinline__ MaxSum RowMaxSumFrom(const T* row, int vocab, int lane,
+                                                PackAt pack_at) {
+  constexpr int kPack = Pack<T>::kSize;
+  const RowSplit split = SplitRow(row, vocab);
+  const T* body = row + split.head;
+  MaxSum acc;
+  for (int p0 = lane; p0 < split.packs; p0 += kSteps * kGroup) {
+    RawPack<T> raw[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int p = p0 + u * kGroup;
+      raw[u] = p < split.packs ? pack_at(body, p) : NegInfPack<T>();
+    }
+    acc.Add<kSteps * kPack>([&](int k) { return raw[k / kPack][k % kPack]; });
+  }
+  // head and tail have fewer than kPack <= 32 elements each: one per lane.
+  const float edge[2] = {
+      lane < split.head ? ToFloat(row[lane]) : -INFINITY,
+      lane < split.tail ? ToFloat(body[int64_t(split.packs) * kPack + lane]) : -INFINITY};
+  acc.Add<2>([&](int k) { return edge[k]; });
+  return acc;
+}
+
+struct LossGradArgs {
+  const int32_t* targets;
+  const float* scale;
+  int64_t rows_per_scale;
+  float* loss;
+  int64_t rows;
+  int vocab;
+  int64_t ignore_index;
+  int64_t num_classes;
+};
+
+// Writes a row of dlogits: value(x, c) for each element, x its logit (unused by value where the
+// row was not read) and c its column relative to the first pack (negative in the head), as
+// CrossEntropyBwdKernel does. pack_at(body, p) gives the p-th pack of logits, body = in + head.
+template <typename T, int kGroup, int kSteps, typename PackAt, typename Value>
+__device__ __forceinline__ void WriteRowGrad(const T* in, T* out, RowSplit split, int lane,
+                                             PackAt pack_at, Value value) {
+  constexpr int kPack = Pack<T>::kSize;
+  const T* in_body = in + split.head;
+  T* body = out + split.head;
+  for (int p0 = lane; p0 < split.packs; p0 += kSteps * kGroup) {
+    RawPack<T> raw[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int p = p0 + u * kGroup;
+      if (p < split.packs) raw[u] = pack_at(in_body, p);
+    }
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      const int p = p0 + u * kGroup;
+      if (p < split.packs) {
+        float d[kPack];
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) d[k] = value(raw[u][k], p * kPack + k);
+        StoreFloats<T, /*kStream=*/true>(body + int64_t(p) * kPack, d);
+      }
+    }
+  }
+  if (lane < split.head) out[lane] = FromFloat<T>(value(ToFloat(in[lane]), lane - split.head));
+  if (lane < split.tail) {
+    const int c = split.packs * kPack + lane;
+    body[c] = FromFloat<T>(value(ToFloat(in_body[c]), c));
+  }
+}
+
+// loss = lse - x[target] and dlogits = (exp(x - lse) - [c == target]) * scale per row, the
+// row read from memory once with kCache (into shared memory; a whole block per row), twice
+// otherwise. logits and dlogits may be the same buffer: the first pass only reads, its values
+// meet in the group's reduction before any thread writes, and in the second pass each thread
+// reads a pack (or element) before it writes it, and no other thread touches it. That is also
+// why the loss is written by the thread that meets the target column in the second pass.
+template <typename T, int kGroup, bool kCache>
+__global__ void __launch_bounds__(BlockFor<kGroup>(), 1024 / BlockFor<kGroup>())
+CrossEntropyLossGradKernel(const T* logits, T* dlogits, LossGradArgs a) {
+  static_assert(!kCache || BlockFor<kGroup>() == kGroup, "a cached row belongs to a whole block");
+  constexpr int kPack = Pack<T>::kSize;
+  constexpr int kGroups = BlockFor<kGroup>() / kGroup;
+  // Packs per step: 32 bfloat16 values at once would not fit in 64 registers beside the rest.
+  constexpr int kSteps = sizeof(T) == 4 ? kUnroll : kUnroll / 2;
+  extern __shared__ uint4 cache[];  // kCache: pack p of the row (after its head) in cache[p]
+  __shared__ float red[2 * BlockFor<kGroup>() / 32];
+  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  // Uniform loop bound and branches for a group that is the whole block, as in the forward.
+  for (int64_t base = int64_t(blockIdx.x) * kGroups; base < a.rows;
+       base += int64_t(gridDim.x) * kGroups) {
+    const int64_t r = base + group;
+    if (r >= a.rows) continue;
+    const int64_t off = r * a.vocab;
+    const T* row = logits + off;
+    T* out = dlogits + off;
+    const RowSplit split = SplitRow(row, a.vocab);
+    const int64_t target = a.targets[r];
+    const int cols = RowColumns(a.num_classes, nullptr, 1, r, a.vocab);
+    const int end = cols - split.head;  // columns from here on (relative to c) are not classes
+    const bool ignored = target == a.ignore_index;
+    if (ignored || target < 0 || target >= cols) {
+      // Ignored: loss 0 and zeros; unknown target: NaN loss and NaN over the classes. Unread.
+      const float fill = ignored ? 0.f : NAN;
+      if (lane == 0) a.loss[r] = fill;
+      WriteRowGrad<T, kGroup, kSteps>(
+          row, out, split, lane, [](const T*, int) { return RawPack<T>{}; },
+          [&](float, int c) { return c < end ? fill : 0.f; });
+      continue;
+    }
+    auto cached_pack = [&](const T*, int p) {
+      const uint4 v = cache[p];
+      return RawPack<T>{{v.x, v.y, v.z, v.w}};
+    };
+    MaxSum acc;
+    if constexpr (kCache) {
+      const T* body = row + split.head;
+      for (int p = lane; p < split.packs; p += kGroup)
+        CopyAsync16(&cache[p], body + int64_t(p) * kPack);
+      CopyAsyncWaitAll();  // this thread's packs, which are the only ones it reads
+      // Over the classes only: up to `cols`, the row's packs are a prefix of the ones cached.
+      acc = RowMaxSumFrom<T, kGroup, kSteps>(row, cols, lane, cached_pack);
+    } else {
+      acc = RowMaxSumFrom<T, kGroup, kSteps>(row, cols, lane, GlobalPacks{});
+    }
+    GroupMaxSum<kGroup>(acc, red);
+    const float lse = acc.m + __logf(acc.s);
+    const float scale = a.scale[r / a.rows_per_scale];
+    const int col = static_cast<int>(target) - split.head;
+    float* loss = a.loss + r;
+    auto value = [&](float x, int c) {
+      if (c == col) *loss = lse - x;  // read before this thread overwrites it
+      return c < end ? (exp2f((x - lse) * kLog2e) - (c == col ? 1.f : 0.f)) * scale : 0.f;
+    };
+    if constexpr (kCache)
+      WriteRowGrad<T, kGroup, kSteps>(row, out, split, lane, cached_pack, value);
+    else
+      WriteRowGrad<T, kGroup, kSteps>(row, out, split, lane, GlobalPacks{}, value);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
 // Launchers.
 
 // Warps take rows of up to kWarpRowBytes; longer rows get a block each.
@@ -345,6 +527,57 @@ void LaunchBwd(cudaStream_t stream, int device, const void* logits, void* dlogit
         <<<GridFor(args.rows, kThreads / kGroup, device), kThreads, 0, stream>>>(
             static_cast<const T*>(logits), static_cast<T*>(dlogits), args);
   });
+}
+
+// The dynamic shared memory CrossEntropyLossGradKernel<T, kRowThreads, true> may use on
+// `device`: raised once per device from the default 48 KB to all the device lets one block
+// have (cudaFuncSetAttribute is not a stream operation, so this is safe inside CUDA-graph
+// capture too; it is kept off the per-launch path all the same). 0 if that failed.
+template <typename T>
+size_t RowCacheLimit(int device) {
+  static std::atomic<int64_t> cache[64];  // 0: not yet asked; -1: failed
+  if (device < 0 || device >= 64) device = 0;
+  int64_t limit = cache[device].load(std::memory_order_relaxed);
+  if (limit == 0) {
+    auto kernel = CrossEntropyLossGradKernel<T, kRowThreads, true>;
+    cudaFuncAttributes attr;
+    limit = -1;
+    if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
+      const int64_t want = int64_t(MaxSharedMemoryPerBlockOptin(device)) -
+                           static_cast<int64_t>(attr.sharedSizeBytes);
+      if (want > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(want)) == cudaSuccess) {
+        limit = want;
+        // A hint: as much of the L1/shared split as shared memory as possible.
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+      }
+    }
+    cudaGetLastError();  // a failure here only means the uncached kernel runs
+    cache[device].store(limit, std::memory_order_relaxed);
+  }
+  return limit > 0 ? static_cast<size_t>(limit) : 0;
+}
+
+template <typename T>
+void LaunchLossGrad(cudaStream_t stream, int device, const void* logits, void* dlogits,
+                    const LossGradArgs& args) {
+  const T* in = static_cast<const T*>(logits);
+  T* out = static_cast<T*>(dlogits);
+  const int64_t row_bytes = int64_t(args.vocab) * sizeof(T);
+  if (row_bytes <= kWarpRowBytes) {
+    CrossEntropyLossGradKernel<T, 32, false>
+        <<<GridFor(args.rows, kBlock / 32, device), kBlock, 0, stream>>>(in, out, args);
+    return;
+  }
+  const size_t cache_bytes = static_cast<size_t>(row_bytes / 16 * 16);  // most packs of a row
+  const unsigned grid = GridFor(args.rows, 1, device);
+  if (cache_bytes <= RowCacheLimit<T>(device))
+    CrossEntropyLossGradKernel<T, kRowThreads, true>
+        <<<grid, kRowThreads, cache_bytes, stream>>>(in, out, args);
+  else
+    CrossEntropyLossGradKernel<T, kRowThreads, false><<<grid, kRowThreads, 0, stream>>>(in, out,
+                                                                                      args);
 }
 
 float* RowOut(ffi::Result<ffi::AnyBuffer>& b) { return static_cast<float*>(b->untyped_data()); }
@@ -427,6 +660,31 @@ ffi::Error CrossEntropyBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
 }
 
 
+ffi::Error CrossEntropyLossGrad(cudaStream_t stream, int32_t device, ffi::AnyBuffer logits,
+                                ffi::AnyBuffer targets, ffi::AnyBuffer scale,
+                                ffi::Result<ffi::AnyBuffer> loss,
+                                ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
+                                int64_t num_classes) {
+  const char* op = "blujax_cross_entropy_loss_grad";
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  CrossEntropyShape shape;
+  int64_t rows_per_scale = 1;
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyScale(op, scale, logits, shape, &rows_per_scale));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  if (shape.rows == 0) return ffi::Error::Success();
+  const LossGradArgs args{In<int32_t>(targets), In<float>(scale), rows_per_scale, RowOut(loss),
+                          shape.rows, static_cast<int>(shape.vocab), ignore_index, num_classes};
+  if (logits.element_type() == ffi::DataType::F32)
+    LaunchLossGrad<float>(stream, device, logits.untyped_data(), dlogits->untyped_data(), args);
+  else
+    LaunchLossGrad<__nv_bfloat16>(stream, device, logits.untyped_data(),
+                                  dlogits->untyped_data(), args);
+  return LastCudaError(op);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kCrossEntropyFwd, CrossEntropyFwd,
@@ -468,8 +726,22 @@ XLA_FFI_DEFINE_HANDLER(kCrossEntropyBwd, CrossEntropyBwd,
                            .Attr<int64_t>("num_classes"),
                        kGraphSafe);
 
+XLA_FFI_DEFINE_HANDLER(kCrossEntropyLossGrad, CrossEntropyLossGrad,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // logits [..., V]
+                           .Arg<ffi::AnyBuffer>()   // targets [...] int32
+                           .Arg<ffi::AnyBuffer>()   // scale [] or [K] f32, the gradient's factor
+                           .Ret<ffi::AnyBuffer>()   // loss [...] f32
+                           .Ret<ffi::AnyBuffer>()   // dlogits [..., V], may alias logits
+                           .Attr<int64_t>("ignore_index")
+                           .Attr<int64_t>("num_classes"),
+                       kGraphSafe);
+
 BLUJAX_REGISTER(blujax_cross_entropy_fwd, kCrossEntropyFwd);
 BLUJAX_REGISTER(blujax_cross_entropy_stats, kCrossEntropyStats);
 BLUJAX_REGISTER(blujax_cross_entropy_bwd, kCrossEntropyBwd);
+BLUJAX_REGISTER(blujax_cross_entropy_loss_grad, kCrossEntropyLossGrad);
 
 }  // namespace blujax
