@@ -72,9 +72,9 @@ def test_weight_decay_zero_never_reads_params(rng):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_many_tensors_in_one_call(rng, dtype):
-    # More tensors than the CUDA kernel takes per launch (48), sizes from 1 to past one chunk
+    # More tensors than the CUDA kernel takes per launch (256), sizes from 1 to past one chunk
     # (few distinct sizes, so the spec compiles only a few times).
-    sizes = [int(s) for s in rng.choice([1, 2, 5, 768, 4096, 4099, 8197], size=57)]
+    sizes = [int(s) for s in rng.choice([1, 2, 5, 768, 4096, 4099, 8197], size=263)]
     states = [_state(rng, (s,), dtype) for s in sizes]
     hp = _hparams(lr=1e-3, wd=0.05, step=3)
     kw = dict(b1=0.8, b2=0.99, eps=1e-6)

@@ -59,6 +59,35 @@ inline int MaxSharedMemoryPerBlockOptin(int device) {
   return n;
 }
 
+// The dynamic shared memory one block of kKernel may use on `device`: raised once per device
+// from the default 48 KB to all the device lets one block have (with the L1/shared split
+// tilted to shared memory), and cached. cudaFuncSetAttribute is not a stream operation, so
+// this is safe inside CUDA-graph capture; it is kept off the per-launch path all the same.
+// 0 if that failed: the caller then takes a path that needs less.
+template <auto kKernel>
+size_t SharedMemoryLimit(int device) {
+  static std::atomic<int64_t> cache[64];  // 0: not yet asked; -1: failed
+  if (device < 0 || device >= 64) device = 0;
+  int64_t limit = cache[device].load(std::memory_order_relaxed);
+  if (limit == 0) {
+    cudaFuncAttributes attr;
+    limit = -1;
+    if (cudaFuncGetAttributes(&attr, kKernel) == cudaSuccess) {
+      const int64_t want = int64_t(MaxSharedMemoryPerBlockOptin(device)) -
+                           static_cast<int64_t>(attr.sharedSizeBytes);
+      if (want > 0 && cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(want)) == cudaSuccess) {
+        limit = want;
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);  // a hint
+      }
+    }
+    cudaGetLastError();  // a failure here is not an error of the launch that follows
+    cache[device].store(limit, std::memory_order_relaxed);
+  }
+  return limit > 0 ? static_cast<size_t>(limit) : 0;
+}
+
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T> __device__ __forceinline__ T FromFloat(float v);

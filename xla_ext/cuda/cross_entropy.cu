@@ -529,36 +529,6 @@ void LaunchBwd(cudaStream_t stream, int device, const void* logits, void* dlogit
   });
 }
 
-// The dynamic shared memory CrossEntropyLossGradKernel<T, kRowThreads, true> may use on
-// `device`: raised once per device from the default 48 KB to all the device lets one block
-// have (cudaFuncSetAttribute is not a stream operation, so this is safe inside CUDA-graph
-// capture too; it is kept off the per-launch path all the same). 0 if that failed.
-template <typename T>
-size_t RowCacheLimit(int device) {
-  static std::atomic<int64_t> cache[64];  // 0: not yet asked; -1: failed
-  if (device < 0 || device >= 64) device = 0;
-  int64_t limit = cache[device].load(std::memory_order_relaxed);
-  if (limit == 0) {
-    auto kernel = CrossEntropyLossGradKernel<T, kRowThreads, true>;
-    cudaFuncAttributes attr;
-    limit = -1;
-    if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
-      const int64_t want = int64_t(MaxSharedMemoryPerBlockOptin(device)) -
-                           static_cast<int64_t>(attr.sharedSizeBytes);
-      if (want > 0 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(want)) == cudaSuccess) {
-        limit = want;
-        // A hint: as much of the L1/shared split as shared memory as possible.
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
-      }
-    }
-    cudaGetLastError();  // a failure here only means the uncached kernel runs
-    cache[device].store(limit, std::memory_order_relaxed);
-  }
-  return limit > 0 ? static_cast<size_t>(limit) : 0;
-}
-
 template <typename T>
 void LaunchLossGrad(cudaStream_t stream, int device, const void* logits, void* dlogits,
                     const LossGradArgs& args) {
@@ -572,9 +542,9 @@ void LaunchLossGrad(cudaStream_t stream, int device, const void* logits, void* d
   }
   const size_t cache_bytes = static_cast<size_t>(row_bytes / 16 * 16);  // most packs of a row
   const unsigned grid = GridFor(args.rows, 1, device);
-  if (cache_bytes <= RowCacheLimit<T>(device))
-    CrossEntropyLossGradKernel<T, kRowThreads, true>
-        <<<grid, kRowThreads, cache_bytes, stream>>>(in, out, args);
+  constexpr auto kCached = CrossEntropyLossGradKernel<T, kRowThreads, true>;
+  if (cache_bytes <= SharedMemoryLimit<kCached>(device))
+    kCached<<<grid, kRowThreads, cache_bytes, stream>>>(in, out, args);
   else
     CrossEntropyLossGradKernel<T, kRowThreads, false><<<grid, kRowThreads, 0, stream>>>(in, out,
                                                                                       args);

@@ -4,9 +4,10 @@
 // Memory-bound, so the design is about bytes: each row is read once into registers in 16-byte
 // packs by a group of kGroup threads (a warp for C <= 1024 float32, wider groups for wider rows),
 // the two reductions (mean, then variance around it) run on the registers, and the output is
-// written once. The backward reads dy and x once, writes dx, and keeps each thread's share of
-// dweight/dbias in registers across all the rows its group visits; blocks leave one partial row
-// each in the workspace and a second, small kernel sums those. Rows whose width or alignment
+// written once. The backward reads dy and x once, writes dx, and adds each thread's share of
+// dweight/dbias into its group's slice of shared memory across all the rows the group visits;
+// blocks (one wave of them) leave one partial row each in the workspace and a second, small
+// kernel sums those. Rows whose width or alignment
 // does not allow 16-byte packs, or wider than the register budget, take a plain block-per-row
 // path that re-reads the row from memory (correct for any shape, not tuned).
 
@@ -21,7 +22,7 @@ namespace {
 
 constexpr int kBlock = 256;         // threads per block, unless one row's group is wider
 constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
-constexpr int kBwdFloats = 24;      // backward: elements of dy (and of x) a thread keeps
+constexpr int kBwdFloats = 32;      // backward: elements of dy (and of x) a thread keeps
 constexpr int kMaxSharedBytes = 46 << 10;  // dynamic shared memory without opting in to more
 
 template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
@@ -145,18 +146,25 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
 // x packs in registers. A thread's columns are the same for every row, so it adds its share of
 // dweight/dbias into its group's own slice of shared memory without atomics; at the end the
 // block sums its groups' slices into its partial row ws[blockIdx.x].
+
+// Threads of a backward block: narrow groups (a warp or two a row) share one block of 512
+// threads, so a multiprocessor holds one block and leaves one partial row of dweight/dbias
+// instead of five (bfloat16 32768 x 768: 62% -> 71% of copy); wider groups, one or a few a block.
 template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
-  return kGroup < 128 ? 128 : kGroup;
+  return kGroup <= 64 ? 512 : kGroup < 128 ? 128 : kGroup;
+}
+template <typename T> __host__ __device__ constexpr int kBwdVecs() {
+  return kBwdFloats / Pack<T>::kSize;
 }
 
-template <typename T, int kGroup, int kVecs>
-__global__ void __launch_bounds__(BwdBlockFor<kGroup>())
+template <typename T, int kGroup, int kVecs, int kThreads>
+__global__ void __launch_bounds__(kThreads)
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
                    int64_t rows, int cols) {
   constexpr int kPack = Pack<T>::kSize;
-  constexpr int kThreads = BwdBlockFor<kGroup>(), kGroups = kThreads / kGroup;
+  constexpr int kGroups = kThreads / kGroup;
   __shared__ float red[2 * kThreads / 32];
   // Per group: dweight then dbias, each stored as [chunk][pack][4] with chunk = a float4 of a
   // pack (bfloat16 packs hold two), so the float4s a warp updates together are consecutive
@@ -367,7 +375,9 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
                       Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum)));
   const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
   auto args = [&](auto kernel, int64_t blocks, int threads) {
-    // As many blocks as fit on the device at once; each loops over its share of the rows.
+    // As many blocks as fit on the device at once; each loops over its share of the rows. (A
+    // block per kGroups rows, each passing once, as the GELU forward does, measured the same
+    // within 4% either way on an H100.)
     const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, 0);
     kernel<<<static_cast<unsigned>(std::min(blocks, resident)), threads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
@@ -391,11 +401,10 @@ ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void
                      const void* x, const void* weight, const float* mean, const float* rstd,
                      void* dx, void* dweight, void* dbias, float* ws, int64_t partials,
                      RowsCols rc) {
-  constexpr int kPack = Pack<T>::kSize, kVecs = kBwdFloats / kPack;
+  constexpr int kPack = Pack<T>::kSize;
   const int cols = static_cast<int>(rc.cols);
   const bool packed = cols % kPack == 0 && Aligned16(dy) && Aligned16(x) && Aligned16(dx) &&
                       Aligned16(weight) && (!dsum || Aligned16(dsum));
-  const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
   int64_t blocks = 0;
   auto run = [&](auto kernel, int64_t rows_per_block, int threads, size_t smem) {
     // As many blocks as fit on the device at once (each leaves one partial row to reduce),
@@ -408,13 +417,16 @@ ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
   };
   bool launched = false;
+  const int group = packed ? GroupFor(cols / kPack, kBwdVecs<T>()) : 0;
   if (group) {
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
       const size_t smem = size_t(kGroups) * 2 * cols * sizeof(float);  // per-group dw, db
-      if (smem <= kMaxSharedBytes) {
-        run(LayerNormBwdKernel<T, kGroup, kVecs>, kGroups, kThreads, smem);
+      constexpr int kVecs = kBwdVecs<T>();
+      if (smem <= kMaxSharedBytes ||
+          smem <= SharedMemoryLimit<LayerNormBwdKernel<T, kGroup, kVecs, kThreads>>(device)) {
+        run(LayerNormBwdKernel<T, kGroup, kVecs, kThreads>, kGroups, kThreads, smem);
         launched = true;
       }
     });
