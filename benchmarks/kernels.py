@@ -4,7 +4,9 @@
 
 Prints a markdown table (ratios first) and writes kernels.jsonl and kernels.md to --out.
 Bandwidth is bytes that must move (inputs read once, outputs written once) over the median
-time; "% copy" divides by the device-to-device copy bandwidth measured in the same run.
+time; "% copy" divides by the device-to-device copy bandwidth measured in the same run (a 2 GiB
+scale op), "% same-size copy" compares the op's time with the same scale op moving the op's
+own bytes (what a plain copy of that size reaches, launch gaps and all).
 """
 
 from __future__ import annotations
