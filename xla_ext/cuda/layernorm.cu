@@ -7,9 +7,9 @@
 // written once. The backward reads dy and x once, writes dx, and adds each thread's share of
 // dweight/dbias into its group's slice of shared memory across all the rows the group visits;
 // blocks (one wave of them) leave one partial row each in the workspace and a second, small
-// kernel sums those. Rows whose width or alignment
-// does not allow 16-byte packs, or wider than the register budget, take a plain block-per-row
-// path that re-reads the row from memory (correct for any shape, not tuned).
+// kernel sums those. Rows whose width or alignment does not allow 16-byte packs, or wider than
+// the register budget, take a plain block-per-row path that re-reads the row from memory
+// (correct for any shape, not tuned).
 
 #include <algorithm>
 
@@ -142,21 +142,21 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
-// x packs in registers. A thread's columns are the same for every row, so it adds its share of
-// dweight/dbias into its group's own slice of shared memory without atomics; at the end the
-// block sums its groups' slices into its partial row ws[blockIdx.x].
-
 // Threads of a backward block: narrow groups (a warp or two a row) share one block of 512
 // threads, so a multiprocessor holds one block and leaves one partial row of dweight/dbias
 // instead of five (bfloat16 32768 x 768: 62% -> 71% of copy); wider groups, one or a few a block.
 template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
   return kGroup <= 64 ? 512 : kGroup < 128 ? 128 : kGroup;
 }
-template <typename T> __host__ __device__ constexpr int kBwdVecs() {
+// Packs of dy (and of x) a backward thread keeps in registers.
+template <typename T> __host__ __device__ constexpr int BwdVecs() {
   return kBwdFloats / Pack<T>::kSize;
 }
 
+// Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
+// x packs in registers. A thread's columns are the same for every row, so it adds its share of
+// dweight/dbias into its group's own slice of shared memory without atomics; at the end the
+// block sums its groups' slices into its partial row ws[blockIdx.x].
 template <typename T, int kGroup, int kVecs, int kThreads>
 __global__ void __launch_bounds__(kThreads)
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
@@ -417,13 +417,13 @@ ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
   };
   bool launched = false;
-  const int group = packed ? GroupFor(cols / kPack, kBwdVecs<T>()) : 0;
+  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T>()) : 0;
   if (group) {
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
       const size_t smem = size_t(kGroups) * 2 * cols * sizeof(float);  // per-group dw, db
-      constexpr int kVecs = kBwdVecs<T>();
+      constexpr int kVecs = BwdVecs<T>();
       if (smem <= kMaxSharedBytes ||
           smem <= SharedMemoryLimit<LayerNormBwdKernel<T, kGroup, kVecs, kThreads>>(device)) {
         run(LayerNormBwdKernel<T, kGroup, kVecs, kThreads>, kGroups, kThreads, smem);
