@@ -133,4 +133,21 @@ inline ffi::Error CheckNumClasses(const char* op, int64_t num_classes) {
   return ffi::Error::Success();
 }
 
+// Every buffer of blujax_cross_entropy_loss_grad (both platforms' handlers): the logits' shape
+// and how many rows share each scale value.
+inline ffi::Error CheckCrossEntropyLossGrad(const char* op, const ffi::AnyBuffer& logits,
+                                            const ffi::AnyBuffer& targets,
+                                            const ffi::AnyBuffer& scale,
+                                            const ffi::AnyBuffer& loss,
+                                            const ffi::AnyBuffer& dlogits, int64_t num_classes,
+                                            bool allow_f64, CrossEntropyShape* shape,
+                                            int64_t* rows_per_scale) {
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, allow_f64, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyScale(op, scale, logits, *shape, rows_per_scale));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", loss, logits, *shape));
+  return CheckLike(op, "dlogits", dlogits, "logits", logits);
+}
+
 }  // namespace blujax

@@ -222,14 +222,11 @@ ffi::Error CrossEntropyLossGrad(ffi::ThreadPool pool, ffi::AnyBuffer logits,
                                 ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
                                 int64_t num_classes) {
   const char* op = "blujax_cross_entropy_loss_grad";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
   int64_t rows_per_scale = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyScale(op, scale, logits, shape, &rows_per_scale));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, logits, targets, scale, *loss, *dlogits,
+                                                   num_classes, /*allow_f64=*/true, &shape,
+                                                   &rows_per_scale));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {

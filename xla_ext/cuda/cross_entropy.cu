@@ -636,14 +636,11 @@ ffi::Error CrossEntropyLossGrad(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
                                 int64_t num_classes) {
   const char* op = "blujax_cross_entropy_loss_grad";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   int64_t rows_per_scale = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyScale(op, scale, logits, shape, &rows_per_scale));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, logits, targets, scale, *loss, *dlogits,
+                                                   num_classes, /*allow_f64=*/false, &shape,
+                                                   &rows_per_scale));
   if (shape.rows == 0) return ffi::Error::Success();
   const LossGradArgs args{In<int32_t>(targets), In<float>(scale), rows_per_scale, RowOut(loss),
                           shape.rows, static_cast<int>(shape.vocab), ignore_index, num_classes};
