@@ -618,30 +618,6 @@ def test_mean_lowers_for_cuda():
     assert "@blujax_cross_entropy_fwd" in text and "loss_grad" not in text
 
 
-def test_mean_bad_arguments_raise_clear_errors(rng):
-    x = randn(rng, (4, 8), jnp.float32)
-    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
-    ce = ops.softmax_cross_entropy_mean
-    with pytest.raises(ValueError, match=r"softmax_cross_entropy_mean: num_classes must be in"):
-        ce(x, t, num_classes=9)
-    with pytest.raises(TypeError, match="num_classes must be a Python int"):
-        ce(x, t, num_classes=4.0)
-    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
-        ce(x[None], t[None])
-    with pytest.raises(ValueError, match=r"targets must have shape \(4,\)"):
-        ce(x, t[:3])
-    with pytest.raises(TypeError, match="targets must be int32.*float32"):
-        ce(x, t.astype(jnp.float32))
-    with pytest.raises(TypeError, match="logits has dtype float16"):
-        ce(x.astype(jnp.float16), t)
-    with pytest.raises(ValueError, match="no classes"):
-        ce(jnp.ones((4, 0)), t)
-    with pytest.raises(TypeError, match="ignore_index must be a Python int"):
-        ce(x, t, ignore_index=1.5)
-    with pytest.raises(ValueError, match="ignore_index must fit in int32"):
-        ce(x, t, ignore_index=-(2**31) - 1)
-
-
 @pytest.mark.parametrize("case", ["targets_dtype", "targets_size", "scale_dtype", "scale_groups",
                                   "loss_size", "loss_dtype", "dlogits_shape", "dlogits_dtype",
                                   "logits_dtype", "num_classes"])
@@ -673,11 +649,13 @@ def test_loss_grad_handler_rejects_inconsistent_buffers(rng, case):
 
 # --- errors a user can act on, at trace time ----------------------------------------------------
 
-def test_bad_arguments_raise_clear_errors(rng):
+@pytest.mark.parametrize("name", ["softmax_cross_entropy", "softmax_cross_entropy_mean"])
+def test_bad_arguments_raise_clear_errors(rng, name):
+    # The per-row loss and its mean share these checks; each names itself in its messages.
     x = randn(rng, (4, 8), jnp.float32)
     t = jnp.asarray([1, 2, 3, 4], jnp.int32)
-    ce = ops.softmax_cross_entropy
-    with pytest.raises(ValueError, match=r"num_classes must be in \[1, 8\]"):
+    ce = getattr(ops, name)
+    with pytest.raises(ValueError, match=rf"{name}: num_classes must be in \[1, 8\]"):
         ce(x, t, num_classes=9)
     with pytest.raises(ValueError, match=r"num_classes must be in \[1, 8\]"):
         ce(x, t, num_classes=0)
@@ -707,6 +685,13 @@ def test_bad_arguments_raise_clear_errors(rng):
         ce(x, t, ignore_index=1.5)
     with pytest.raises(ValueError, match="ignore_index must fit in int32"):
         ce(x, t, ignore_index=2**31)
+    with pytest.raises(ValueError, match="ignore_index must fit in int32"):
+        ce(x, t, ignore_index=-(2**31) - 1)
+
+
+def test_vocab_split_bad_arguments_raise_clear_errors(rng):
+    x = randn(rng, (4, 8), jnp.float32)
+    t = jnp.asarray([1, 2, 3, 4], jnp.int32)
     with pytest.raises(ValueError, match="vocab_start must be in"):
         ops.cross_entropy_stats(x, t, vocab_start=-8)
     with pytest.raises(TypeError, match="vocab_start must be an int"):
