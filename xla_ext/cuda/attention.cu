@@ -2,18 +2,19 @@
 // twin is xla_ext/cpu/attention.cc and the handler contract common/attention.h.
 //
 // bfloat16 runs on tensor cores (mma.sync m16n8k16, float32 accumulators), head sizes 64 and
-// 128. Every kernel has 4 warps; a warp owns 16 rows of the tile it keeps in registers
-// (queries in the forward and dQ kernels, keys in the dK/dV kernel) and streams the other
-// operand through shared memory in tiles, loaded with cp.async into two buffers so the next
-// tile arrives while the current one is used (one barrier per tile). Rows past the end of a
-// sequence are zero-filled by the copy and masked out of the softmax, so any T works.
-//   forward   one CTA per 64 query rows: S = Q K^T, online softmax in registers (exp2f, the
+// 128. Every kernel has 4 warps; a warp owns 32 rows (16 in the dK/dV kernel) of the tile it
+// keeps in registers (queries in the forward and dQ kernels, keys in the dK/dV kernel) and
+// streams the other operand through shared memory in tiles, loaded with cp.async into two
+// buffers so the next tile arrives while the current one is used (one barrier per tile). Rows
+// past the end of a sequence are zero-filled by the copy and masked out of the softmax, so
+// any T works.
+//   forward   one CTA per 128 query rows: S = Q K^T, online softmax in registers (exp2f, the
 //             scale folded into log2 units), O += P V with P taken straight from the S
 //             registers (the accumulator layout of one mma is the operand layout of the next).
 //   backward  (1) delta_i = sum_d dout_id out_id - dlse_i into the `delta` output;
 //             (2) one CTA per 64 keys loops over query tiles: S^T = K Q^T, P^T, dV += P^T dO,
 //                 dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
-//             (3) one CTA per 64 query rows loops over key tiles: dQ += dS K.
+//             (3) one CTA per 128 query rows loops over key tiles: dQ += dS K.
 //             Each output element is written by one CTA: deterministic, no atomics.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first. Blocks are numbered tile-fastest within one
@@ -184,21 +185,32 @@ __device__ __forceinline__ void LoadStats(float* smem, const float* row_stats, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// bfloat16 forward: one CTA per 64 query rows of one (batch, head).
+// bfloat16 forward: one CTA per 64 * kMT query rows of one (batch, head); a warp owns kMT
+// m-tiles of 16 rows. Every K or V fragment a warp reads from shared memory feeds kMT mmas, so
+// kMT = 2 halves the shared-memory traffic per FLOP (at kMT = 1 the tile loop waits on ldmatrix,
+// not on the tensor cores). kQRegs keeps Q's fragments in registers for the whole loop;
+// without it they are re-read per key tile, which leaves room for the accumulators at D = 128.
 
-template <int D>
-struct FwdBf16 {
-  static constexpr int kBM = 64, kBN = 64, kChunks = D / 8;
+template <int D, int MT, int BN, bool QRegs>
+struct FwdBf16Cfg {
+  static constexpr int kD = D, kMT = MT, kBN = BN;
+  static constexpr bool kQRegs = QRegs;
+  static constexpr int kBM = 64 * kMT, kChunks = D / 8;
   static constexpr int kSmem = (kBM + 4 * kBN) * D * int(sizeof(bf16));  // Q, 2 x (K, V)
 };
 
+// Measured on an H100 (benchmarks/RESULTS.md): kMT = 2 runs 7-21% faster than kMT = 1. At
+// D = 64, 64-key tiles with Q in registers (248 registers, no spills); at D = 128, 32-key tiles
+// with Q re-read (254 registers; Q in registers or 64-key tiles spill and lose 1-20%).
 template <int D>
+using FwdBf16 = FwdBf16Cfg<D, 2, D == 64 ? 64 : 32, D == 64>;
+
+template <typename C>
 __global__ void __launch_bounds__(kThreads)
 AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                        const bf16* __restrict__ v, bf16* __restrict__ out,
                        float* __restrict__ lse, Geometry g, int n_qt) {
-  using C = FwdBf16<D>;
-  constexpr int BM = C::kBM, BN = C::kBN, KC = C::kChunks;
+  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN, KC = C::kChunks, MT = C::kMT;
   extern __shared__ uint4 smem_fwd_bf16[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_fwd_bf16);
   bf16* sK = sQ + BM * D;      // [2][BN][D]
@@ -210,22 +222,27 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   int64_t bh;
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * BM;
+  const int wrow = warp * 16 * MT;  // this warp's first row in the block
   const int64_t stride = int64_t(g.heads) * D;
   const bf16* qh = q + HeadOffset<D>(bh, g.tq, g.heads);
   const bf16* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
   const bf16* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
   const int n_kt = KeyTiles(g, q0, BM, BN);
-  const int row_a = q0 + warp * 16 + gr;  // the query of accumulator entries 0, 1 (+8: 2, 3)
 
   LoadTile<BM, D, true>(sQ, qh, stride, q0, g.tq);
   LoadTile<BN, D, true>(sK, kh, stride, 0, g.tk);
   LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
   CpAsyncCommit();
 
-  uint32_t qf[D / 16][4];
-  float o[D / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY};  // running max, log2 units
-  float l[2] = {0.f, 0.f};              // running sum of this thread's columns
+  uint32_t qf[C::kQRegs ? MT : 1][C::kQRegs ? D / 16 : 1][4];
+  float o[MT][D / 8][4] = {};
+  float m[MT][2], l[MT][2];  // running max (log2 units) and this thread's part of the sum
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  // Q's A fragment of m-tile mt, k-step kk.
+  auto q_frag = [&](uint32_t (&a)[4], int mt, int kk) {
+    LdMatrix(a, sQ + Swz<KC>(wrow + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+  };
 
   for (int j = 0; j < n_kt; ++j) {
     CpAsyncWaitAll();
@@ -236,118 +253,140 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
       LoadTile<BN, D, true>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
     }
     CpAsyncCommit();
-    if (j == 0) {
+    if constexpr (C::kQRegs) {
+      if (j == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        LdMatrix(qf[kk], sQ + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) q_frag(qf[mt][kk], mt, kk);
+      }
     }
     const bf16* cK = sK + (j & 1) * BN * D;
     const bf16* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
 
-    // S = Q K^T: this warp's 16 rows x BN keys.
-    float s[BN / 8][4] = {};
+    // S = Q K^T: this warp's 16 * MT rows x BN keys.
+    float s[MT][BN / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (C::kQRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][kk][i];
+        } else {
+          q_frag(a[mt], mt, kk);
+        }
+      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t b[4];
         LdMatrix(b, cK + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
                                  2 * kk + ((lane >> 3) & 1)));
-        Mma(s[2 * np], qf[kk], b[0], b[1]);
-        Mma(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma(s[mt][2 * np], a[mt], b[0], b[1]);
+          Mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
-    if (k0 + BN > g.tk || (g.causal && k0 + BN - 1 > q0)) {
+    if (k0 + BN > g.tk || (g.causal && k0 + BN - 1 > q0 + wrow)) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + n * 8 + 2 * t4 + (e & 1), row = row_a + (e >> 1) * 8;
-          if (key >= g.tk || (g.causal && key > row)) s[n][e] = -INFINITY;
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + n * 8 + 2 * t4 + (e & 1);
+            const int row = q0 + wrow + mt * 16 + gr + (e >> 1) * 8;
+            if (key >= g.tk || (g.causal && key > row)) s[mt][n][e] = -INFINITY;
+          }
         }
       }
     }
 
-    // Online softmax; rows g and g + 8 are shared by the 4 threads of a quad.
+    // Online softmax; rows g and g + 8 of each m-tile are shared by the 4 threads of a quad.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-      const float m_new = fmaxf(m[r], mx * g.scale_log2);
-      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-      const float alpha = exp2f(m[r] - base);
-      m[r] = m_new;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
+        for (int n = 0; n < BN / 8; ++n)
+          mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        const float m_new = fmaxf(m[mt][r], mx * g.scale_log2);
+        const float base = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
+        const float alpha = exp2f(m[mt][r] - base);
+        m[mt][r] = m_new;
+        float sum = 0.f;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(fmaf(s[n][2 * r + e], g.scale_log2, -base));
-          s[n][2 * r + e] = p;
-          sum += p;
+        for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2f(fmaf(s[mt][n][2 * r + e], g.scale_log2, -base));
+            s[mt][n][2 * r + e] = p;
+            sum += p;
+          }
         }
-      }
-      l[r] = l[r] * alpha + sum;
+        l[mt][r] = l[mt][r] * alpha + sum;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        o[dn][2 * r] *= alpha;
-        o[dn][2 * r + 1] *= alpha;
+        for (int dn = 0; dn < D / 8; ++dn) {
+          o[mt][dn][2 * r] *= alpha;
+          o[mt][dn][2 * r + 1] *= alpha;
+        }
       }
     }
 
     // O += P V.
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t pa[4];
-      AccToOperand(pa, s, kk);
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) AccToOperand(pa[mt], s[mt], kk);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b[4];
         LdMatrixTrans(b, cV + Swz<KC>(kk * 16 + (lane & 7) + (lane & 8), 2 * dp + (lane >> 4)));
-        Mma(o[2 * dp], pa, b[0], b[1]);
-        Mma(o[2 * dp + 1], pa, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+          Mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+        }
       }
     }
   }
 
-  // Normalise, stage this warp's 16 rows in its own rows of sQ (only it read them), and
-  // write whole 16-byte chunks.
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFull, l[r], 1);
-    l[r] += __shfl_xor_sync(kFull, l[r], 2);
-    inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-  }
+  // Normalise, stage this warp's rows in its own rows of sQ (only it read them), and write
+  // whole 16-byte chunks.
   __syncwarp();
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + gr + 8 * r;
-      *reinterpret_cast<uint32_t*>(sQ + Swz<KC>(row, dn) + 2 * t4) =
-          PackBf16(o[dn][2 * r] * inv[r], o[dn][2 * r + 1] * inv[r]);
+      float sum = l[mt][r];
+      sum += __shfl_xor_sync(kFull, sum, 1);
+      sum += __shfl_xor_sync(kFull, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = wrow + mt * 16 + gr + 8 * r;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(sQ + Swz<KC>(row, dn) + 2 * t4) =
+            PackBf16(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+      if (t4 == 0 && q0 + row < g.tq)
+        lse[bh * g.tq + q0 + row] = (m[mt][r] + log2f(sum)) * kLn2;
     }
   }
   __syncwarp();
   bf16* oh = out + HeadOffset<D>(bh, g.tq, g.heads);
 #pragma unroll
-  for (int i = 0; i < 16 * KC / 32; ++i) {
-    const int c = lane + 32 * i, row = warp * 16 + c / KC, ch = c % KC;
+  for (int i = 0; i < 16 * MT * KC / 32; ++i) {
+    const int c = lane + 32 * i, row = wrow + c / KC, ch = c % KC;
     if (q0 + row < g.tq)
       *reinterpret_cast<uint4*>(oh + int64_t(q0 + row) * stride + ch * 8) =
           *reinterpret_cast<const uint4*>(sQ + Swz<KC>(row, ch));
-  }
-  if (t4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_a + 8 * r;
-      if (row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(l[r])) * kLn2;
-    }
   }
 }
 
@@ -525,22 +564,28 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 }
 
 // ---------------------------------------------------------------------------------------------
-// bfloat16 backward, dQ: one CTA per 64 query rows, looping over key tiles.
+// bfloat16 backward, dQ: one CTA per 64 * kMT query rows, looping over key tiles; a warp owns
+// kMT m-tiles of 16 rows, so each K or V fragment read from shared memory feeds kMT mmas (as
+// in the forward).
 
-template <int D>
-struct BwdQBf16 {
-  static constexpr int kBM = 64, kBN = 64, kChunks = D / 8;
+template <int D, int MT, int BN>
+struct BwdQBf16Cfg {
+  static constexpr int kD = D, kMT = MT, kBM = 64 * MT, kBN = BN, kChunks = D / 8;
   static constexpr int kSmem = (2 * kBM + 4 * kBN) * D * int(sizeof(bf16));  // Q, dO, 2 x (K, V)
 };
 
+// kMT = 2 with 32-key tiles: 1-4% faster per forward+backward than 64 rows x 64 keys (and
+// than 128 x 64, which spills at D = 128).
 template <int D>
+using BwdQBf16 = BwdQBf16Cfg<D, 2, 32>;
+
+template <typename C>
 __global__ void __launch_bounds__(kThreads)
 AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                         const bf16* __restrict__ v, const bf16* __restrict__ dout,
                         const float* __restrict__ lse, const float* __restrict__ delta,
                         bf16* __restrict__ dq, Geometry g, int n_qt) {
-  using C = BwdQBf16<D>;
-  constexpr int BM = C::kBM, BN = C::kBN, KC = C::kChunks;
+  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN, KC = C::kChunks, MT = C::kMT;
   extern __shared__ uint4 smem_q_bf16[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_q_bf16);
   bf16* sdO = sQ + BM * D;
@@ -553,12 +598,12 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   int64_t bh;
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * BM;
+  const int wrow = warp * 16 * MT;  // this warp's first row in the block
   const int64_t stride = int64_t(g.heads) * D;
   const int64_t q_off = HeadOffset<D>(bh, g.tq, g.heads);
   const bf16* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
   const bf16* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
   const int n_kt = KeyTiles(g, q0, BM, BN);
-  const int row_a = q0 + warp * 16 + gr;
 
   LoadTile<BM, D, true>(sQ, q + q_off, stride, q0, g.tq);
   LoadTile<BM, D, true>(sdO, dout + q_off, stride, q0, g.tq);
@@ -566,16 +611,19 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
   CpAsyncCommit();
 
-  // Per-row statistics of rows row_a and row_a + 8; rows past Tq are masked below.
-  float lse2[2], dl[2];
+  // Per-row statistics of rows wrow + 16 mt + gr (+ 8); rows past Tq are masked below.
+  float lse2[MT][2], dl[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_a + 8 * r;
-    lse2[r] = row < g.tq ? lse[bh * g.tq + row] * kLog2e : 0.f;
-    dl[r] = row < g.tq ? delta[bh * g.tq + row] : 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = q0 + wrow + mt * 16 + gr + 8 * r;
+      lse2[mt][r] = row < g.tq ? lse[bh * g.tq + row] * kLog2e : 0.f;
+      dl[mt][r] = row < g.tq ? delta[bh * g.tq + row] : 0.f;
+    }
   }
 
-  float dq_acc[D / 8][4] = {};
+  float dq_acc[MT][D / 8][4] = {};
   for (int j = 0; j < n_kt; ++j) {
     CpAsyncWaitAll();
     __syncthreads();
@@ -589,49 +637,67 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
 
-    // S = Q K^T and dP = dO V^T: this warp's 16 rows x BN keys. The Q and dO operands are
-    // re-read from shared memory rather than held, to leave registers to the accumulators.
-    float s[BN / 8][4] = {}, dp[BN / 8][4] = {};
+    // S = Q K^T and dP = dO V^T: this warp's 16 * MT rows x BN keys. The Q and dO operands
+    // are re-read from shared memory rather than held, to leave registers to the accumulators.
+    float s[MT][BN / 8][4] = {}, dp[MT][BN / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4], ao[4];
-      LdMatrix(a, sQ + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
-      LdMatrix(ao, sdO + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      uint32_t a[MT][4], ao[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int at = Swz<KC>(wrow + mt * 16 + (lane & 15), 2 * kk + (lane >> 4));
+        LdMatrix(a[mt], sQ + at);
+        LdMatrix(ao[mt], sdO + at);
+      }
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         const int at = Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1));
         uint32_t b[4];
         LdMatrix(b, cK + at);
-        Mma(s[2 * np], a, b[0], b[1]);
-        Mma(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma(s[mt][2 * np], a[mt], b[0], b[1]);
+          Mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
         LdMatrix(b, cV + at);
-        Mma(dp[2 * np], ao, b[0], b[1]);
-        Mma(dp[2 * np + 1], ao, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma(dp[mt][2 * np], ao[mt], b[0], b[1]);
+          Mma(dp[mt][2 * np + 1], ao[mt], b[2], b[3]);
+        }
       }
     }
     // dS = P (dP - delta), P = exp(scale S - lse); masked entries are 0.
-    const bool mask = q0 + BM > g.tq || k0 + BN > g.tk || (g.causal && k0 + BN - 1 > q0);
+    const bool mask = q0 + BM > g.tq || k0 + BN > g.tk || (g.causal && k0 + BN - 1 > q0 + wrow);
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + n * 8 + 2 * t4 + (e & 1), r = e >> 1, row = row_a + 8 * r;
-        float p = exp2f(fmaf(s[n][e], g.scale_log2, -lse2[r]));
-        if (mask && (row >= g.tq || key >= g.tk || (g.causal && key > row))) p = 0.f;
-        s[n][e] = p * (dp[n][e] - dl[r]);
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + n * 8 + 2 * t4 + (e & 1), r = e >> 1;
+          const int row = q0 + wrow + mt * 16 + gr + 8 * r;
+          float p = exp2f(fmaf(s[mt][n][e], g.scale_log2, -lse2[mt][r]));
+          if (mask && (row >= g.tq || key >= g.tk || (g.causal && key > row))) p = 0.f;
+          s[mt][n][e] = p * (dp[mt][n][e] - dl[mt][r]);
+        }
       }
     }
     // dQ += dS K (scaled at the end).
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t da[4];
-      AccToOperand(da, s, kk);
+      uint32_t da[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) AccToOperand(da[mt], s[mt], kk);
 #pragma unroll
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t b[4];
         LdMatrixTrans(b, cK + Swz<KC>(kk * 16 + (lane & 7) + (lane & 8), 2 * dn + (lane >> 4)));
-        Mma(dq_acc[2 * dn], da, b[0], b[1]);
-        Mma(dq_acc[2 * dn + 1], da, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma(dq_acc[mt][2 * dn], da[mt], b[0], b[1]);
+          Mma(dq_acc[mt][2 * dn + 1], da[mt], b[2], b[3]);
+        }
       }
     }
   }
@@ -639,18 +705,21 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   // Stage in this warp's own rows of sQ and write.
   __syncwarp();
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + gr + 8 * r;
-      *reinterpret_cast<uint32_t*>(sQ + Swz<KC>(row, dn) + 2 * t4) =
-          PackBf16(dq_acc[dn][2 * r] * g.scale, dq_acc[dn][2 * r + 1] * g.scale);
+    for (int dn = 0; dn < D / 8; ++dn) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = wrow + mt * 16 + gr + 8 * r;
+        *reinterpret_cast<uint32_t*>(sQ + Swz<KC>(row, dn) + 2 * t4) = PackBf16(
+            dq_acc[mt][dn][2 * r] * g.scale, dq_acc[mt][dn][2 * r + 1] * g.scale);
+      }
     }
   }
   __syncwarp();
 #pragma unroll
-  for (int i = 0; i < 16 * KC / 32; ++i) {
-    const int c = lane + 32 * i, row = warp * 16 + c / KC, ch = c % KC;
+  for (int i = 0; i < 16 * MT * KC / 32; ++i) {
+    const int c = lane + 32 * i, row = wrow + c / KC, ch = c % KC;
     if (q0 + row < g.tq)
       *reinterpret_cast<uint4*>(dq + q_off + int64_t(q0 + row) * stride + ch * 8) =
           *reinterpret_cast<const uint4*>(sQ + Swz<KC>(row, ch));
@@ -921,29 +990,35 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
 }
 
 // ---------------------------------------------------------------------------------------------
-// delta_i = sum_d dout_id out_id - dlse_i, one warp per row of the [B, Tq, H, D] tensors,
-// written to [B, H, Tq]. Any D.
+// delta_i = sum_d dout_id out_id - dlse_i for the rows of [B, Tq, H, D] tensors, written to
+// [B, H, Tq]. A row is D / kPack threads reading one 16-byte pack each of dout and out; rows
+// are numbered (b, h, t) with t fastest, so the delta stores are contiguous too.
 
 constexpr int kDeltaThreads = 256;
 
-template <typename T>
+template <typename T, int D>
 __global__ void __launch_bounds__(kDeltaThreads)
 AttentionDeltaKernel(const T* __restrict__ out, const T* __restrict__ dout,
                      const float* __restrict__ dlse, float* __restrict__ delta, int64_t rows,
-                     int tq, int heads, int d) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (kDeltaThreads / 32);
-  for (int64_t r = int64_t(blockIdx.x) * (kDeltaThreads / 32) + threadIdx.x / 32; r < rows;
-       r += warps) {
-    float s = 0.f;
-    for (int c = lane; c < d; c += 32) s = fmaf(ToFloat(dout[r * d + c]), ToFloat(out[r * d + c]), s);
-    s = WarpSum(s);
-    if (lane == 0) {
-      const int64_t h = r % heads, t = (r / heads) % tq, b = r / (int64_t(heads) * tq);
-      const int64_t at = (b * heads + h) * tq + t;
-      delta[at] = s - dlse[at];
-    }
+                     int tq, int heads) {
+  constexpr int kPack = 16 / sizeof(T), kLanes = D / kPack;  // 8 to 32 threads a row
+  static_assert(kLanes <= 32 && 32 % kLanes == 0, "a row's threads in one warp");
+  const int64_t at = (int64_t(blockIdx.x) * kDeltaThreads + threadIdx.x) / kLanes;
+  const int c = threadIdx.x % kLanes;
+  float s = 0.f;
+  if (at < rows) {
+    const int64_t t = at % tq, h = (at / tq) % heads, b = at / (int64_t(tq) * heads);
+    const int64_t off = ((b * tq + t) * heads + h) * D + c * kPack;
+    const uint4 o4 = *reinterpret_cast<const uint4*>(out + off);
+    const uint4 d4 = *reinterpret_cast<const uint4*>(dout + off);
+    const T* ov = reinterpret_cast<const T*>(&o4);
+    const T* dv = reinterpret_cast<const T*>(&d4);
+#pragma unroll
+    for (int e = 0; e < kPack; ++e) s = fmaf(ToFloat(dv[e]), ToFloat(ov[e]), s);
   }
+#pragma unroll
+  for (int w = kLanes / 2; w > 0; w /= 2) s += __shfl_xor_sync(kFull, s, w);
+  if (at < rows && c == 0) delta[at] = s - dlse[at];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1002,8 +1077,9 @@ ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          const Geometry& g) {
   static SmemOptIn opt;
-  const int n_qt = (g.tq + FwdBf16<D>::kBM - 1) / FwdBf16<D>::kBM;
-  return Launch(op, AttentionFwdBf16Kernel<D>, opt, n_qt * bh, FwdBf16<D>::kSmem, stream, device,
+  using C = FwdBf16<D>;
+  const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
+  return Launch(op, AttentionFwdBf16Kernel<C>, opt, n_qt * bh, C::kSmem, stream, device,
                 static_cast<const bf16*>(q), static_cast<const bf16*>(k),
                 static_cast<const bf16*>(v), static_cast<bf16*>(out), lse, g, n_qt);
 }
@@ -1026,15 +1102,16 @@ struct BwdBuffers {
   float* delta;
 };
 
-template <typename T>
-ffi::Error LaunchDelta(const char* op, cudaStream_t stream, int device, const BwdBuffers& b,
+template <typename T, int D>
+ffi::Error LaunchDelta(const char* op, cudaStream_t stream, const BwdBuffers& b,
                        const AttentionDims& d) {
-  const int64_t rows = d.batch * d.q_len * d.heads, per_block = kDeltaThreads / 32;
-  const int64_t blocks = std::min<int64_t>((rows + per_block - 1) / per_block,
-                                           int64_t(SmCount(device)) * 16);
-  AttentionDeltaKernel<T><<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(
+  const int64_t rows = d.batch * d.q_len * d.heads;
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t per_block = kDeltaThreads / (D * sizeof(T) / 16);
+  AttentionDeltaKernel<T, D><<<static_cast<unsigned>((rows + per_block - 1) / per_block),
+                               kDeltaThreads, 0, stream>>>(
       static_cast<const T*>(b.out), static_cast<const T*>(b.dout), b.dlse, b.delta, rows,
-      static_cast<int>(d.q_len), static_cast<int>(d.heads), static_cast<int>(d.head_dim));
+      static_cast<int>(d.q_len), static_cast<int>(d.heads));
   return LastCudaError(op);
 }
 
@@ -1050,7 +1127,7 @@ ffi::Error LaunchBwdBf16(const char* op, cudaStream_t stream, int device, int64_
   BLUJAX_RETURN_IF_ERROR(Launch(op, AttentionBwdKvBf16Kernel<D>, opt_kv, n_kt * bh, KV::kSmem,
                                 stream, device, q, k, v, dout, b.lse, b.delta,
                                 static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), g, n_kt));
-  return Launch(op, AttentionBwdQBf16Kernel<D>, opt_q, n_qt * bh, Q::kSmem, stream, device, q, k,
+  return Launch(op, AttentionBwdQBf16Kernel<Q>, opt_q, n_qt * bh, Q::kSmem, stream, device, q, k,
                 v, dout, b.lse, b.delta, static_cast<bf16*>(b.dq), g, n_qt);
 }
 
@@ -1148,13 +1225,15 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
                dk->untyped_data(), dv->untyped_data(), static_cast<float*>(delta->untyped_data())};
   const bool is_bf16 = q.element_type() == ffi::DataType::BF16;
-  BLUJAX_RETURN_IF_ERROR(is_bf16 ? LaunchDelta<bf16>(op, stream, device, b, d)
-                                 : LaunchDelta<float>(op, stream, device, b, d));
   ffi::Error result = ffi::Error::Success();
   WithHeadDim(d.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    auto launch = is_bf16 ? &LaunchBwdBf16<D> : &LaunchBwdF32<D>;
-    result = launch(op, stream, device, d.batch * d.heads, b, g);
+    result = is_bf16 ? LaunchDelta<bf16, D>(op, stream, b, d)
+                     : LaunchDelta<float, D>(op, stream, b, d);
+    if (!result.failure()) {
+      auto launch = is_bf16 ? &LaunchBwdBf16<D> : &LaunchBwdF32<D>;
+      result = launch(op, stream, device, d.batch * d.heads, b, g);
+    }
   });
   return result;
 }
