@@ -401,6 +401,9 @@ struct BwdKvBf16 {
   static constexpr int kBM = D == 128 ? 32 : 64;  // queries per tile: the accumulators of
                                                   // dK and dV take D/2 registers each
   static constexpr int kChunks = D / 8;
+  // This warp's K and V fragments (the A operands of S^T and dP^T) held in registers rather
+  // than re-read per query tile: 32 registers at D = 64; no room at D = 128.
+  static constexpr bool kKvRegs = D == 64;
   static constexpr int kSmem = (2 * kBN + 4 * kBM) * D * int(sizeof(bf16)) +  // K, V, 2 x (Q, dO)
                                4 * kBM * int(sizeof(float));                   // 2 x (lse, delta)
 };
@@ -445,9 +448,20 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   CpAsyncCommit();
 
   float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
+  uint32_t kf[C::kKvRegs ? D / 16 : 1][4], vf[C::kKvRegs ? D / 16 : 1][4];
   for (int i = first; i < n_qt; ++i) {
     CpAsyncWaitAll();
     __syncthreads();
+    if constexpr (C::kKvRegs) {
+      if (i == first) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const int at = Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4));
+          LdMatrix(kf[kk], sK + at);
+          LdMatrix(vf[kk], sV + at);
+        }
+      }
+    }
     if (i + 1 < n_qt) {
       const int nb = (i + 1 - first) & 1, r0 = (i + 1) * BM;
       LoadTile<BM, D, true>(sQ + nb * BM * D, qh, stride, r0, g.tq);
@@ -467,7 +481,12 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[4];
-      LdMatrix(a, sK + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      if constexpr (C::kKvRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = kf[kk][r];
+      } else {
+        LdMatrix(a, sK + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      }
 #pragma unroll
       for (int np = 0; np < BM / 16; ++np) {
         uint32_t b[4];
@@ -507,7 +526,12 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[4];
-      LdMatrix(a, sV + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      if constexpr (C::kKvRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = vf[kk][r];
+      } else {
+        LdMatrix(a, sV + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+      }
 #pragma unroll
       for (int np = 0; np < BM / 16; ++np) {
         uint32_t b[4];
