@@ -660,6 +660,10 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     const bf16* cK = sK + (j & 1) * BN * D;
     const bf16* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
+    // Causal: a tile whose keys all come after this warp's last row adds nothing to its dQ
+    // (the block's later rows need the tile). The same skip in the forward measured 0-8%
+    // slower at D = 128, so it is not there.
+    if (g.causal && q0 + wrow + 16 * MT - 1 < k0) continue;
 
     // S = Q K^T and dP = dO V^T: this warp's 16 * MT rows x BN keys. The Q and dO operands
     // are re-read from shared memory rather than held, to leave registers to the accumulators.
