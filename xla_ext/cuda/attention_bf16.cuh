@@ -216,6 +216,33 @@ struct BwdKvBf16 {
                                4 * kBM * int(sizeof(float));                   // 2 x (lse, delta)
 };
 
+// acc (16 keys from row key0 of `keys` x the tile's rows) += keys rows^T over D: S^T = K Q^T
+// and dP^T = V dO^T. The keys' A fragments come from `frag` (kRegs) or from shared memory.
+template <bool kRegs, int D, int kNCols, int kFrags>
+__device__ __forceinline__ void KeysByRows(float (&acc)[kNCols][4],
+                                           const uint32_t (&frag)[kFrags][4], const bf16* keys,
+                                           const bf16* rows, int key0, int lane) {
+  constexpr int KC = D / 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = frag[kk][r];
+    } else {
+      LdMatrix(a, keys + Swz<KC>(key0 + (lane & 15), 2 * kk + (lane >> 4)));
+    }
+#pragma unroll
+    for (int np = 0; np < kNCols / 2; ++np) {
+      uint32_t b[4];
+      LdMatrix(b, rows + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                 2 * kk + ((lane >> 3) & 1)));
+      Mma(acc[2 * np], a, b[0], b[1]);
+      Mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads)
 AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -286,24 +313,7 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
     // S^T = K Q^T: this warp's 16 keys x BM queries.
     float st[BM / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      if constexpr (C::kKvRegs) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = kf[kk][r];
-      } else {
-        LdMatrix(a, sK + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
-      }
-#pragma unroll
-      for (int np = 0; np < BM / 16; ++np) {
-        uint32_t b[4];
-        LdMatrix(b, cQ + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                 2 * kk + ((lane >> 3) & 1)));
-        Mma(st[2 * np], a, b[0], b[1]);
-        Mma(st[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    KeysByRows<C::kKvRegs, D>(st, kf, sK, cQ, warp * 16, lane);
     // P^T = exp(scale S^T - lse of each column's query); masked entries are 0.
     const bool mask = q0 + BM > g.tq || k0 + BN > g.tk || (g.causal && q0 < k0 + BN - 1);
 #pragma unroll
@@ -319,24 +329,7 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     MmaRowsByTile(dv_acc, st, cdO, lane);  // dV += P^T dO
     // dP^T = V dO^T.
     float dpt[BM / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      if constexpr (C::kKvRegs) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = vf[kk][r];
-      } else {
-        LdMatrix(a, sV + Swz<KC>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
-      }
-#pragma unroll
-      for (int np = 0; np < BM / 16; ++np) {
-        uint32_t b[4];
-        LdMatrix(b, cdO + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                  2 * kk + ((lane >> 3) & 1)));
-        Mma(dpt[2 * np], a, b[0], b[1]);
-        Mma(dpt[2 * np + 1], a, b[2], b[3]);
-      }
-    }
+    KeysByRows<C::kKvRegs, D>(dpt, vf, sV, cdO, warp * 16, lane);
     // dS^T = P^T (dP^T - delta), in place.
 #pragma unroll
     for (int n = 0; n < BM / 8; ++n) {
