@@ -9,6 +9,71 @@ namespace blujax {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core products the bfloat16 kernels share.
+
+// acc[mt] (16 rows x D) += p[mt] (16 rows x kN, mma accumulators) x tile (kN x D, a swizzled
+// shared-memory tile), for each of a warp's kMT m-tiles: O += P V, dQ += dS K, dV += P^T dO and
+// dK += dS^T Q. Each B fragment is read once and feeds kMT mmas.
+template <int kMT, int kNCols, int kDCols>
+__device__ __forceinline__ void MmaRowsByTile(float (&acc)[kMT][kDCols][4],
+                                              const float (&p)[kMT][kNCols][4], const bf16* tile,
+                                              int lane) {
+  constexpr int kN = kNCols * 8, D = kDCols * 8;  // the arrays hold 8-column mma tiles
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) AccToOperand(a[mt], p[mt], kk);
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      uint32_t b[4];
+      LdMatrixTrans(b, tile + Swz<D / 8>(kk * 16 + (lane & 7) + (lane & 8), 2 * dn + (lane >> 4)));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        Mma(acc[mt][2 * dn], a[mt], b[0], b[1]);
+        Mma(acc[mt][2 * dn + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// The same for one m-tile held as plain [columns][4] accumulator arrays.
+template <int kNCols, int kDCols>
+__device__ __forceinline__ void MmaRowsByTile(float (&acc)[kDCols][4],
+                                              const float (&p)[kNCols][4], const bf16* tile,
+                                              int lane) {
+  MmaRowsByTile(reinterpret_cast<float (&)[1][kDCols][4]>(acc),
+                reinterpret_cast<const float (&)[1][kNCols][4]>(p), tile, lane);
+}
+
+// acc (16 keys from row key0 of `keys` x the tile's rows) += keys rows^T over D: S^T = K Q^T
+// and dP^T = V dO^T. The keys' A fragments come from `frag` (kRegs) or from shared memory.
+template <bool kRegs, int D, int kNCols, int kFrags>
+__device__ __forceinline__ void KeysByRows(float (&acc)[kNCols][4],
+                                           const uint32_t (&frag)[kFrags][4], const bf16* keys,
+                                           const bf16* rows, int key0, int lane) {
+  constexpr int KC = D / 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    if constexpr (kRegs) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = frag[kk][r];
+    } else {
+      LdMatrix(a, keys + Swz<KC>(key0 + (lane & 15), 2 * kk + (lane >> 4)));
+    }
+#pragma unroll
+    for (int np = 0; np < kNCols / 2; ++np) {
+      uint32_t b[4];
+      LdMatrix(b, rows + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                 2 * kk + ((lane >> 3) & 1)));
+      Mma(acc[2 * np], a, b[0], b[1]);
+      Mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // bfloat16 forward: one CTA per 64 * kMT query rows of one (batch, head); a warp owns kMT
 // m-tiles of 16 rows. Every K or V fragment a warp reads from shared memory feeds kMT mmas, so
 // kMT = 2 halves the shared-memory traffic per FLOP (at kMT = 1 the tile loop waits on ldmatrix,
@@ -215,33 +280,6 @@ struct BwdKvBf16 {
   static constexpr int kSmem = (2 * kBN + 4 * kBM) * D * int(sizeof(bf16)) +  // K, V, 2 x (Q, dO)
                                4 * kBM * int(sizeof(float));                   // 2 x (lse, delta)
 };
-
-// acc (16 keys from row key0 of `keys` x the tile's rows) += keys rows^T over D: S^T = K Q^T
-// and dP^T = V dO^T. The keys' A fragments come from `frag` (kRegs) or from shared memory.
-template <bool kRegs, int D, int kNCols, int kFrags>
-__device__ __forceinline__ void KeysByRows(float (&acc)[kNCols][4],
-                                           const uint32_t (&frag)[kFrags][4], const bf16* keys,
-                                           const bf16* rows, int key0, int lane) {
-  constexpr int KC = D / 8;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t a[4];
-    if constexpr (kRegs) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = frag[kk][r];
-    } else {
-      LdMatrix(a, keys + Swz<KC>(key0 + (lane & 15), 2 * kk + (lane >> 4)));
-    }
-#pragma unroll
-    for (int np = 0; np < kNCols / 2; ++np) {
-      uint32_t b[4];
-      LdMatrix(b, rows + Swz<KC>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                 2 * kk + ((lane >> 3) & 1)));
-      Mma(acc[2 * np], a, b[0], b[1]);
-      Mma(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
 
 template <int D>
 __global__ void __launch_bounds__(kThreads)

@@ -160,40 +160,5 @@ __device__ __forceinline__ void LoadStats(float* smem, const float* row_stats, i
   }
 }
 
-// acc[mt] (16 rows x D) += p[mt] (16 rows x kN, mma accumulators) x tile (kN x D, a swizzled
-// shared-memory tile), for each of a warp's kMT m-tiles: O += P V, dQ += dS K, dV += P^T dO and
-// dK += dS^T Q. Each B fragment is read once and feeds kMT mmas.
-template <int kMT, int kNCols, int kDCols>
-__device__ __forceinline__ void MmaRowsByTile(float (&acc)[kMT][kDCols][4],
-                                              const float (&p)[kMT][kNCols][4], const bf16* tile,
-                                              int lane) {
-  constexpr int kN = kNCols * 8, D = kDCols * 8;  // the arrays hold 8-column mma tiles
-#pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) AccToOperand(a[mt], p[mt], kk);
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn) {
-      uint32_t b[4];
-      LdMatrixTrans(b, tile + Swz<D / 8>(kk * 16 + (lane & 7) + (lane & 8), 2 * dn + (lane >> 4)));
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        Mma(acc[mt][2 * dn], a[mt], b[0], b[1]);
-        Mma(acc[mt][2 * dn + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// The same for one m-tile held as plain [columns][4] accumulator arrays.
-template <int kNCols, int kDCols>
-__device__ __forceinline__ void MmaRowsByTile(float (&acc)[kDCols][4],
-                                              const float (&p)[kNCols][4], const bf16* tile,
-                                              int lane) {
-  MmaRowsByTile(reinterpret_cast<float (&)[1][kDCols][4]>(acc),
-                reinterpret_cast<const float (&)[1][kNCols][4]>(p), tile, lane);
-}
-
 }  // namespace
 }  // namespace blujax
