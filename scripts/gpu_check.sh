@@ -60,8 +60,8 @@ BLUJAX_CUDA=ON BLUJAX_CUDA_ARCHITECTURES=${BLUJAX_CUDA_ARCHITECTURES:-80;90a} \
 echo "built in $(( $(date +%s) - start )) s"
 "$py" -c "import blujax; print('kernel backends:', blujax.kernel_backends())"
 
-gpu_status=skipped nographs_status=skipped cpu_status=skipped
-for f in tests_gpu tests_gpu_nographs tests_cpu; do echo "skipped" >"$out/$f.log"; done
+gpu_status=skipped nographs_status=skipped portable_status=skipped cpu_status=skipped
+for f in tests_gpu tests_gpu_nographs tests_gpu_portable tests_cpu; do echo "skipped" >"$out/$f.log"; done
 set +e
 if [ -n "$tests" ]; then
   step "tests on the GPU"
@@ -74,6 +74,10 @@ if [ -n "$tests" ] && [ -n "$reruns" ]; then
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" "$py" -m pytest -q -k "$kernel_tests" $tests \
     2>&1 | tail -5 | tee "$out/tests_gpu_nographs.log"
   nographs_status=${PIPESTATUS[0]}
+  step "kernel value tests again with the portable kernels only (differs on Hopper)"
+  BLUJAX_NO_WGMMA=1 "$py" -m pytest -q -k "$kernel_tests" $tests \
+    2>&1 | tail -5 | tee "$out/tests_gpu_portable.log"
+  portable_status=${PIPESTATUS[0]}
   step "tests on 8 emulated CPU devices (the CPU kernels)"
   JAX_PLATFORMS=cpu "$py" -m pytest -q $tests 2>&1 | tail -5 | tee "$out/tests_cpu.log"
   cpu_status=${PIPESTATUS[0]}
@@ -119,10 +123,11 @@ fi
 step "summary"
 echo "tests on GPU:      $(tail -1 "$out/tests_gpu.log") (exit $gpu_status)"
 echo "tests, no graphs:  $(tail -1 "$out/tests_gpu_nographs.log") (exit $nographs_status)"
+echo "tests, portable:   $(tail -1 "$out/tests_gpu_portable.log") (exit $portable_status)"
 echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
 echo "compute-sanitizer: $sanitizer_status"
 cat "$out/kernels.md"
 cat "$out/train.md"
 cat "$out/parallel.md"
 ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
-ok "$gpu_status" && ok "$nographs_status" && ok "$cpu_status" && ok "$sanitizer_status"
+ok "$gpu_status" && ok "$nographs_status" && ok "$portable_status" && ok "$cpu_status" && ok "$sanitizer_status"

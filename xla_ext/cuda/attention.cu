@@ -18,6 +18,10 @@
 //                 dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
 //             (3) one CTA per 128 query rows loops over key tiles: dQ += dS K.
 //             Each output element is written by one CTA: deterministic, no atomics.
+// On Hopper (compute capability 9.0, the module built for sm_90a) the forward is instead
+// attention_sm90.cuh's: warpgroup MMAs fed by TMA copies from a producer warpgroup, with
+// mbarriers between them (FlashAttention-3's schedule). BLUJAX_NO_WGMMA=1 in the environment
+// keeps the portable forward there, to compare the two or to test it on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first. Blocks are numbered tile-fastest within one
 // (batch, head), so the CTAs resident together read the same K and V from L2.
@@ -32,12 +36,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 
 #include "common/attention.h"
 #include "common/cuda_util.cuh"
 #include "common/registry.h"
 #include "cuda/attention_bf16.cuh"
 #include "cuda/attention_f32.cuh"
+#include "cuda/attention_sm90.cuh"
 
 namespace blujax {
 namespace {
@@ -113,23 +119,122 @@ class SmemOptIn {
   std::atomic<int> allowed_[64] = {};
 };
 
-// Launches kernel<<<blocks, kThreads, smem>>>(args...) after the shared-memory opt-in.
+// Launches kernel<<<blocks, threads, smem>>>(args...) after the shared-memory opt-in.
 template <typename... Params, typename... Args>
-ffi::Error Launch(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int64_t blocks,
-                  int smem, cudaStream_t stream, int device, Args... args) {
+ffi::Error LaunchWith(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int64_t blocks,
+                      int threads, int smem, cudaStream_t stream, int device, Args... args) {
   cudaError_t err = opt.Allow(reinterpret_cast<const void*>(kernel), smem, device);
   if (err != cudaSuccess)
     return ffi::Error::Internal(StrCat(op, ": cannot allow ", smem,
                                        " bytes of shared memory: ", cudaGetErrorString(err)));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(args...);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(args...);
   return LastCudaError(op);
+}
+
+// The same with kThreads, the block size of every kernel but the Hopper forward.
+template <typename... Params, typename... Args>
+ffi::Error Launch(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int64_t blocks,
+                  int smem, cudaStream_t stream, int device, Args... args) {
+  return LaunchWith(op, kernel, opt, blocks, kThreads, smem, stream, device, args...);
+}
+
+// Whether the Hopper forward runs on this device: the module holds sm_90a code and the device
+// runs it (compute capability 9.0), unless BLUJAX_NO_WGMMA=1 asks for the portable kernel (to
+// compare the two, or test the portable one on a Hopper GPU). The answer per device is kept.
+template <typename Kernel>
+bool Sm90Runs(Kernel kernel, int device) {
+  static std::atomic<int> known[64] = {};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  int state = known[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    const char* no = std::getenv("BLUJAX_NO_WGMMA");
+    cudaFuncAttributes attr{};
+    int major = 0, minor = 0;
+    bool yes = !(no && no[0] == '1') &&
+               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                   cudaSuccess &&
+               cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+                   cudaSuccess &&
+               major == 9 && minor == 0;
+    // cudaFuncGetAttributes reports the binary the current device would run.
+    int current = -1;
+    if (yes && cudaGetDevice(&current) == cudaSuccess) {
+      if (current != device) cudaSetDevice(device);
+      yes = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) == cudaSuccess &&
+            attr.binaryVersion == 90;
+      if (current != device) cudaSetDevice(current);
+    }
+    cudaGetLastError();  // a query only: leave no error behind for the launch check
+    state = yes ? 2 : 1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
+}
+
+// cuTensorMapEncodeTiled, from the driver (the module links no driver symbols, so that it loads
+// on machines without CUDA); null when the driver has none.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn TensorMapEncoder() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// TMA descriptor of a [B, T, H, D] bfloat16 tensor read in boxes of `rows` rows x 64 columns
+// of one (batch, head), 128-byte swizzled as the Hopper kernel's tiles are.
+ffi::Error TileMap(const char* op, CUtensorMap* map, const void* data, int64_t batch, int t,
+                   int heads, int d, int rows) {
+  EncodeTiledFn encode = TensorMapEncoder();
+  if (!encode) return ffi::Error::Internal(StrCat(op, ": the CUDA driver lacks cuTensorMapEncodeTiled"));
+  constexpr cuuint64_t kBytes = sizeof(bf16);
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(t), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {d * kBytes, heads * d * kBytes, t * heads * d * kBytes};
+  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1}, unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(data), dims,
+                            strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return ffi::Error::Internal(StrCat(op, ": cuTensorMapEncodeTiled failed (CUresult ", int(r),
+                                       ") for B = ", batch, ", T = ", t, ", H = ", heads));
+  return ffi::Error::Success();
+}
+
+template <typename C>
+ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
+                         const void* q, const void* k, const void* v, void* out, float* lse,
+                         const Geometry& g, SmemOptIn& opt) {
+  constexpr int D = C::kD;
+  const int64_t batch = bh / g.heads;
+  FwdSm90Maps maps;
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, C::kBM));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.k, k, batch, g.tk, g.heads, D, C::kBN));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.v, v, batch, g.tk, g.heads, D, C::kBN));
+  const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
+  return LaunchWith(op, AttentionFwdSm90Kernel<C>, opt, n_qt * bh, C::kThreads, C::kSmem, stream,
+                    device, maps, static_cast<bf16*>(out), lse, g, n_qt);
 }
 
 template <int D>
 ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          const Geometry& g) {
-  static SmemOptIn opt;
+  static SmemOptIn opt, opt_sm90;
+  if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>>, device)) {
+    return LaunchFwdSm90<FwdSm90<D>>(op, stream, device, bh, q, k, v, out, lse, g, opt_sm90);
+  }
   using C = FwdBf16<D>;
   const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
   return Launch(op, AttentionFwdBf16Kernel<C>, opt, n_qt * bh, C::kSmem, stream, device,
