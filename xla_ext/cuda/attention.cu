@@ -95,6 +95,18 @@ bool WithHeadDim(int64_t d, F&& f) {
   }
 }
 
+// Runs f() (a cudaError_t) with `device` current, then makes the caller's device current again:
+// kernel attributes are set and read for the current device, not the one we launch on.
+template <typename F>
+cudaError_t OnDevice(int device, F&& f) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = f();
+  if (current >= 0 && current != device) cudaSetDevice(current);
+  return err;
+}
+
 // A kernel that uses more than 48 KiB of dynamic shared memory must say so, once per device
 // (cudaFuncSetAttribute: a host-side setting, no stream work, so it is fine while XLA
 // captures a CUDA graph). One instance per kernel: a static in the kernel's launcher.
@@ -104,13 +116,9 @@ class SmemOptIn {
     if (bytes <= kDefaultSmem) return cudaSuccess;
     std::atomic<int>* done = device >= 0 && device < 64 ? &allowed_[device] : nullptr;
     if (done && done->load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-    // The attribute applies to the current device; make that the one we launch on.
-    int current = -1;
-    cudaError_t err = cudaGetDevice(&current);
-    if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (current >= 0 && current != device) cudaSetDevice(current);
+    const cudaError_t err = OnDevice(device, [&] {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    });
     if (err == cudaSuccess && done) done->store(bytes, std::memory_order_relaxed);
     return err;
   }
@@ -156,14 +164,12 @@ bool Sm90Runs(Kernel kernel, int device) {
                cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
                    cudaSuccess &&
                major == 9 && minor == 0;
-    // cudaFuncGetAttributes reports the binary the current device would run.
-    int current = -1;
-    if (yes && cudaGetDevice(&current) == cudaSuccess) {
-      if (current != device) cudaSetDevice(device);
-      yes = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) == cudaSuccess &&
-            attr.binaryVersion == 90;
-      if (current != device) cudaSetDevice(current);
-    }
+    // cudaFuncGetAttributes reports the binary the device would run.
+    yes = yes &&
+          OnDevice(device, [&] {
+            return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
+          }) == cudaSuccess &&
+          attr.binaryVersion == 90;
     cudaGetLastError();  // a query only: leave no error behind for the launch check
     state = yes ? 2 : 1;
     known[device].store(state, std::memory_order_relaxed);
@@ -197,7 +203,8 @@ EncodeTiledFn TensorMapEncoder() {
 ffi::Error TileMap(const char* op, CUtensorMap* map, const void* data, int64_t batch, int t,
                    int heads, int d, int rows) {
   EncodeTiledFn encode = TensorMapEncoder();
-  if (!encode) return ffi::Error::Internal(StrCat(op, ": the CUDA driver lacks cuTensorMapEncodeTiled"));
+  if (!encode)
+    return ffi::Error::Internal(StrCat(op, ": the CUDA driver lacks cuTensorMapEncodeTiled"));
   constexpr cuuint64_t kBytes = sizeof(bf16);
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(t), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {d * kBytes, heads * d * kBytes, t * heads * d * kBytes};
