@@ -18,10 +18,12 @@
 //                 dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
 //             (3) one CTA per 128 query rows loops over key tiles: dQ += dS K.
 //             Each output element is written by one CTA: deterministic, no atomics.
-// On Hopper (compute capability 9.0, the module built for sm_90a) the forward is instead
-// attention_sm90.cuh's: warpgroup MMAs fed by TMA copies from a producer warpgroup, with
-// mbarriers between them (FlashAttention-3's schedule). BLUJAX_NO_WGMMA=1 in the environment
-// keeps the portable forward there, to compare the two or to test it on a Hopper GPU.
+// On Hopper (compute capability 9.0, the module built for sm_90a) the bfloat16 kernels are
+// instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
+// warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
+// (FlashAttention-3's schedule; the backward keeps the two-kernel, atomic-free split above).
+// BLUJAX_NO_WGMMA=1 in the environment keeps the portable kernels there, to compare the two or
+// to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first. Blocks are numbered tile-fastest within one
 // (batch, head), so the CTAs resident together read the same K and V from L2.
@@ -44,6 +46,7 @@
 #include "cuda/attention_bf16.cuh"
 #include "cuda/attention_f32.cuh"
 #include "cuda/attention_sm90.cuh"
+#include "cuda/attention_sm90_bwd.cuh"
 
 namespace blujax {
 namespace {
@@ -146,9 +149,9 @@ ffi::Error Launch(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int
   return LaunchWith(op, kernel, opt, blocks, kThreads, smem, stream, device, args...);
 }
 
-// Whether the Hopper forward runs on this device: the module holds sm_90a code and the device
-// runs it (compute capability 9.0), unless BLUJAX_NO_WGMMA=1 asks for the portable kernel (to
-// compare the two, or test the portable one on a Hopper GPU). The answer per device is kept.
+// Whether the Hopper kernels run on this device: the module holds sm_90a code and the device
+// runs it (compute capability 9.0), unless BLUJAX_NO_WGMMA=1 asks for the portable kernels (to
+// compare the two, or test the portable ones on a Hopper GPU). The answer per device is kept.
 template <typename Kernel>
 bool Sm90Runs(Kernel kernel, int device) {
   static std::atomic<int> known[64] = {};  // 0 unknown, 1 no, 2 yes
@@ -280,10 +283,40 @@ ffi::Error LaunchDelta(const char* op, cudaStream_t stream, const BwdBuffers& b,
   return LastCudaError(op);
 }
 
+template <typename KV, typename Q>
+ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
+                         const BwdBuffers& b, const Geometry& g) {
+  static SmemOptIn opt_kv, opt_q;
+  constexpr int D = KV::kD;
+  static_assert(Q::kD == D, "one head size");
+  const int64_t batch = bh / g.heads;
+  // Each kernel's maps: q and dout in boxes of its query tile, k and v of its key tile.
+  auto make_maps = [&](BwdSm90Maps* m, int q_rows, int k_rows) {
+    ffi::Error e = TileMap(op, &m->q, b.q, batch, g.tq, g.heads, D, q_rows);
+    if (!e.failure()) e = TileMap(op, &m->dout, b.dout, batch, g.tq, g.heads, D, q_rows);
+    if (!e.failure()) e = TileMap(op, &m->k, b.k, batch, g.tk, g.heads, D, k_rows);
+    if (!e.failure()) e = TileMap(op, &m->v, b.v, batch, g.tk, g.heads, D, k_rows);
+    return e;
+  };
+  BwdSm90Maps kv_maps, q_maps;
+  BLUJAX_RETURN_IF_ERROR(make_maps(&kv_maps, KV::kBM, KV::kBN));
+  BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
+  const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
+  BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<KV>, opt_kv, n_kt * bh,
+                                    KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse,
+                                    b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
+                                    g, n_kt));
+  return LaunchWith(op, AttentionBwdQSm90Kernel<Q>, opt_q, n_qt * bh, Q::kThreads, Q::kSmem,
+                    stream, device, q_maps, b.lse, b.delta, static_cast<bf16*>(b.dq), g, n_qt);
+}
+
 template <int D>
 ffi::Error LaunchBwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const BwdBuffers& b, const Geometry& g) {
   static SmemOptIn opt_kv, opt_q;
+  if (Sm90Runs(AttentionBwdKvSm90Kernel<BwdKvSm90<D>>, device)) {
+    return LaunchBwdSm90<BwdKvSm90<D>, BwdQSm90<D>>(op, stream, device, bh, b, g);
+  }
   using KV = BwdKvBf16<D>;
   using Q = BwdQBf16<D>;
   const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;

@@ -13,219 +13,13 @@
 //   waits for S_j and runs the online softmax on its registers (the per-thread layout of
 //   mma.sync's accumulators) while the second product is still on the tensor cores,
 //   then waits for that product and rescales O.
-//
-// Shared-memory tiles use the hardware's 128-byte swizzle, which TMA writes and wgmma reads:
-// rows of 64 elements (128 bytes) with 16-byte chunk c of row r stored at chunk c ^ (r % 8), in
-// 1024-byte atoms of 8 rows; a tile of D = 128 is two such 64-column halves one after the other.
 
 #pragma once
 
-#include <cuda.h>  // CUtensorMap
-
-#include <type_traits>
-
-#include "cuda/attention_common.cuh"
-
-// wgmma exists only in code compiled for sm_90a; other targets compile an empty kernel that
-// the launcher never runs (it checks the binary it would launch: Sm90Runs in attention.cu).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define BLUJAX_WGMMA 1
-#endif
+#include "cuda/attention_sm90_common.cuh"
 
 namespace blujax {
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// PTX wrappers for warpgroup MMAs.
-
-// Descriptor of a 128-byte-swizzled shared-memory operand at p (1024-byte aligned atoms).
-// sbo: bytes between 8-row atoms; lbo: bytes between 64-column halves of a transposed
-// (MN-major) operand, unused for K-major ones.
-__device__ __forceinline__ uint64_t Sw128Desc(const void* p, uint32_t lbo = 16) {
-  constexpr uint32_t kSbo = 1024;
-  return uint64_t((SmemAddr(p) & 0x3FFFF) >> 4) | uint64_t((lbo >> 4) & 0x3FFF) << 16 |
-         uint64_t(kSbo >> 4) << 32 | uint64_t(1) << 62;
-}
-
-__device__ __forceinline__ void WgmmaFence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void WgmmaCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void WgmmaWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Keeps the compiler from moving accesses of registers that an asynchronous wgmma reads or
-// writes (accumulators, A fragments) across the wait or fence before this.
-template <typename T, int kN>
-__device__ __forceinline__ void FenceRegs(T (&d)[kN][4]) {
-#pragma unroll
-  for (int n = 0; n < kN; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if constexpr (std::is_same_v<T, float>) {
-        asm volatile("" : "+f"(d[n][e])::"memory");
-      } else {
-        asm volatile("" : "+r"(d[n][e])::"memory");
-      }
-    }
-  }
-}
-
-#define BLUJAX_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-#define BLUJAX_D16(n) BLUJAX_D4(n), BLUJAX_D4(n + 1), BLUJAX_D4(n + 2), BLUJAX_D4(n + 3)
-#define BLUJAX_REGS32                                                     \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29," \
-  "%30, %31"
-#define BLUJAX_REGS64                                                     \
-  BLUJAX_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42," \
-  "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, " \
-  "%57, %58, %59, %60, %61, %62, %63"
-
-// d (64 x N, the accumulators as N/8 mma-style [4] tiles per thread) (+)= A B for one k-step of
-// 16. SS: A and B are K-major shared-memory tiles. RS: A is registers (the mma.sync A layout,
-// per warp 16 rows), B a transposed (MN-major) shared-memory tile. accumulate = 0 overwrites.
-template <int N>
-struct Wgmma;
-
-template <>
-struct Wgmma<64> {
-  static __device__ __forceinline__ void SS(float (&d)[8][4], uint64_t a, uint64_t b,
-                                            int accumulate) {
-#ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" BLUJAX_REGS32 "}, %32, %33, "
-        "p, 1, 1, 0, 0;\n}\n"
-        : BLUJAX_D16(0), BLUJAX_D16(4)
-        : "l"(a), "l"(b), "r"(accumulate));
-#endif
-  }
-  static __device__ __forceinline__ void RS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b,
-                                            int accumulate) {
-#ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" BLUJAX_REGS32 "}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : BLUJAX_D16(0), BLUJAX_D16(4)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-#endif
-  }
-};
-
-template <>
-struct Wgmma<128> {
-  static __device__ __forceinline__ void SS(float (&d)[16][4], uint64_t a, uint64_t b,
-                                            int accumulate) {
-#ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" BLUJAX_REGS64 "}, %64, %65, "
-        "p, 1, 1, 0, 0;\n}\n"
-        : BLUJAX_D16(0), BLUJAX_D16(4), BLUJAX_D16(8), BLUJAX_D16(12)
-        : "l"(a), "l"(b), "r"(accumulate));
-#endif
-  }
-  static __device__ __forceinline__ void RS(float (&d)[16][4], const uint32_t (&a)[4],
-                                            uint64_t b, int accumulate) {
-#ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" BLUJAX_REGS64 "}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : BLUJAX_D16(0), BLUJAX_D16(4), BLUJAX_D16(8), BLUJAX_D16(12)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-#endif
-  }
-};
-
-#undef BLUJAX_D4
-#undef BLUJAX_D16
-#undef BLUJAX_REGS32
-#undef BLUJAX_REGS64
-
-// ---------------------------------------------------------------------------------------------
-// 128-byte-swizzled tiles.
-
-// Element offset of (row, col) in a tile of kRows rows: 64-column halves one after the other.
-template <int kRows>
-__device__ __forceinline__ int Sw128(int row, int col) {
-  return (col / 64) * kRows * 64 + row * 64 + ((((col % 64) / 8) ^ (row & 7)) * 8) + col % 8;
-}
-
-// ---------------------------------------------------------------------------------------------
-// mbarriers and TMA.
-
-__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
-               : "memory");
-}
-
-// The producer's arrival: the phase completes when `bytes` more have arrived by TMA.
-__device__ __forceinline__ void MbarExpectBytes(uint64_t* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-// One arrival, from the threads for which `signal` holds: predicated inside the asm so that the
-// code around a warpgroup MMA stays free of divergent branches (ptxas serialises wgmma after
-// those).
-__device__ __forceinline__ void MbarArrive(uint64_t* bar, bool signal) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-      ::"r"(SmemAddr(bar)), "r"(int(signal))
-      : "memory");
-}
-
-// Waits until the phase with this parity (0 for the 1st, 3rd, ... completion) has completed;
-// the loop is inside the asm, for the same reason (its labels are local to the { } scope).
-__device__ __forceinline__ void MbarWait(uint64_t* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(SmemAddr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Registers per thread of the warpgroup that runs this, from here on (setmaxnreg): the producer
-// gives up what the consumers take.
-template <int kRegs>
-__device__ __forceinline__ void SetMaxRegs() {
-  if constexpr (kRegs > 128) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-  }
-}
-
-// Box {64 columns, 1 head, rows, 1 batch} of a [B, T, H, D] tensor at (col, h, t, b) -> smem
-// (128-byte swizzled; rows past T arrive as zeros), completing `bytes` on bar.
-__device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, int col, int h, int t,
-                                        int b, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-      "[%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(SmemAddr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(h), "r"(t), "r"(b), "r"(SmemAddr(bar))
-      : "memory");
-}
-
-// A tile of `rows` rows x D at row t0 of (b, h): one box per 64-column half.
-template <int D>
-__device__ __forceinline__ void TmaTile(bf16* dst, int rows, const CUtensorMap* map, int h,
-                                        int t0, int b, uint64_t* bar) {
-#pragma unroll
-  for (int half = 0; half < D / 64; ++half)
-    TmaLoad(dst + half * rows * 64, map, half * 64, h, t0, b, bar);
-}
 
 // ---------------------------------------------------------------------------------------------
 // The forward kernel: one CTA per 64 * kWarpgroups query rows of one (batch, head).
@@ -301,18 +95,11 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
                        float* __restrict__ lse, Geometry g, int n_qt) {
 #ifdef BLUJAX_WGMMA
   constexpr int D = C::kD, BM = C::kBM, BN = C::kBN;
-  constexpr int kTileBytes = BN * D * int(sizeof(bf16));
   extern __shared__ uint4 smem_fwd_sm90[];
-  // The swizzle is a function of address bits 7-9: tiles start on 1024-byte boundaries.
-  char* base = reinterpret_cast<char*>(smem_fwd_sm90);
-  base += (1024 - (SmemAddr(base) & 1023)) & 1023;
-  bf16* sQ = reinterpret_cast<bf16*>(base);
+  bf16* sQ = Aligned1024(smem_fwd_sm90);
   bf16* sK = sQ + BM * D;      // [2][BN][D]
   bf16* sV = sK + 2 * BN * D;  // [2][BN][D]
-  // q_full; then per buffer b: k_full[b], k_empty[b], v_full[b], v_empty[b].
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * BN * D);
-  uint64_t *q_full = bars, *k_full = bars + 1, *k_empty = bars + 3, *v_full = bars + 5,
-           *v_empty = bars + 7;
+  const KvStream<2> pipe(reinterpret_cast<uint64_t*>(sV + 2 * BN * D));
 
   int qt;
   int64_t bh;
@@ -320,35 +107,18 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   const int q0 = qt * BM, n_kt = KeyTiles(g, q0, BM, BN);
   const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
   constexpr int kConsumerWarps = C::kConsumers / 32;
-  if (threadIdx.x == 0) {
-    MbarInit(q_full, 1);
-    for (int i = 0; i < 2; ++i) {
-      MbarInit(k_full + i, 1);
-      MbarInit(v_full + i, 1);
-      MbarInit(k_empty + i, kConsumerWarps);
-      MbarInit(v_empty + i, kConsumerWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (threadIdx.x == 0) pipe.Init(kConsumerWarps);
   __syncthreads();
 
   // Roles by warpgroup, read through a shuffle so the compiler knows they are warp-uniform.
   const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
   if (wg == C::kWarpgroups) {
-    // The producer: K_j and V_j into buffer j % 2, once the tile two back has left it.
+    // The producer: Q, then K_j and V_j into buffer j % 2.
     SetMaxRegs<C::kProducerRegs>();
     if (threadIdx.x == C::kConsumers) {
-      MbarExpectBytes(q_full, BM * D * int(sizeof(bf16)));
-      TmaTile<D>(sQ, BM, &maps.q, h, q0, b, q_full);
-      for (int j = 0; j < n_kt; ++j) {
-        const int buf = j & 1, use = j >> 1;
-        if (use > 0) MbarWait(k_empty + buf, (use - 1) & 1);
-        MbarExpectBytes(k_full + buf, kTileBytes);
-        TmaTile<D>(sK + buf * BN * D, BN, &maps.k, h, j * BN, b, k_full + buf);
-        if (use > 0) MbarWait(v_empty + buf, (use - 1) & 1);
-        MbarExpectBytes(v_full + buf, kTileBytes);
-        TmaTile<D>(sV + buf * BN * D, BN, &maps.v, h, j * BN, b, v_full + buf);
-      }
+      MbarExpectBytes(pipe.q_full, BM * D * int(sizeof(bf16)));
+      TmaTile<D>(sQ, BM, &maps.q, h, q0, b, pipe.q_full);
+      pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt);
     }
     return;
   }
@@ -361,49 +131,31 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   // One arrival per consumer warp, after the wgmma wait that ends its use of the buffer.
   auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
 
-  // S = Q K^T over D in k-steps of 16: 32 bytes along a swizzled row, then the next half.
-  auto issue_scores = [&](float (&s)[BN / 8][4], const bf16* cK) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int half = kk / 4, at = (kk % 4) * 16;
-      Wgmma<BN>::SS(s, Sw128Desc(sQw + half * BM * 64 + at),
-                    Sw128Desc(cK + half * BN * 64 + at), kk > 0);
-    }
-    WgmmaCommit();
-  };
-  // O += P V over a tile's keys in k-steps of 16 swizzled rows of V.
-  auto issue_pv = [&](float (&o)[D / 8][4], const uint32_t (&p)[BN / 16][4], const bf16* cV) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      Wgmma<D>::RS(o, p[kk], Sw128Desc(cV + kk * 16 * 64, BN * 64 * sizeof(bf16)), 1);
-    WgmmaCommit();
-  };
-
   float o[D / 8][4] = {};
   float s[BN / 8][4];
   uint32_t p[BN / 16][4];
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2), partial sum
-  MbarWait(q_full, 0);
+  MbarWait(pipe.q_full, 0);
   for (int j = 0; j < n_kt; ++j) {
     const int buf = j & 1, prev = (j - 1) & 1;
-    MbarWait(k_full + buf, (j >> 1) & 1);
+    MbarWait(pipe.k_full + buf, (j >> 1) & 1);
     WgmmaFence();
-    issue_scores(s, sK + buf * BN * D);
+    IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);  // S_j = Q K_j^T
     if (j > 0) {
-      MbarWait(v_full + prev, ((j - 1) >> 1) & 1);
-      issue_pv(o, p, sV + prev * BN * D);
+      MbarWait(pipe.v_full + prev, ((j - 1) >> 1) & 1);
+      IssueAccumulate<BN, D>(o, p, sV + prev * BN * D);  // O += P_{j-1} V_{j-1}
       WgmmaWait<1>();
     } else {
       WgmmaWait<0>();
     }
-    release(k_empty + buf);
+    release(pipe.k_empty + buf);
     FenceRegs(s);
     float alpha[2];
     SoftmaxStep<BN>(s, m, l, alpha, g, j * BN, q0 + wrow, gr, t4);
     WgmmaWait<0>();
     FenceRegs(o);
     FenceRegs(p);
-    if (j > 0) release(v_empty + prev);
+    if (j > 0) release(pipe.v_empty + prev);
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
       o[dn][0] *= alpha[0];
@@ -415,40 +167,31 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
     for (int kk = 0; kk < BN / 16; ++kk) AccToOperand(p[kk], s, kk);
   }
   const int last = (n_kt - 1) & 1;
-  MbarWait(v_full + last, ((n_kt - 1) >> 1) & 1);
+  MbarWait(pipe.v_full + last, ((n_kt - 1) >> 1) & 1);
   WgmmaFence();
-  issue_pv(o, p, sV + last * BN * D);
+  IssueAccumulate<BN, D>(o, p, sV + last * BN * D);
   WgmmaWait<0>();
   FenceRegs(o);
 
   // Normalise, stage this warp's rows in its own rows of sQ (only its warpgroup read them,
   // and its MMAs are done), and write whole 16-byte chunks.
+  float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = l[r];
     sum += __shfl_xor_sync(kFull, sum, 1);
     sum += __shfl_xor_sync(kFull, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = wrow + gr + 8 * r;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-      *reinterpret_cast<uint32_t*>(sQ + Sw128<BM>(row, dn * 8 + 2 * t4)) =
-          PackBf16(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
-    if (t4 == 0 && q0 + row < g.tq) lse[bh * g.tq + q0 + row] = (m[r] + log2f(sum)) * kLn2;
+    inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = q0 + wrow + gr + 8 * r;
+    if (t4 == 0 && row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(sum)) * kLn2;
   }
+  StageRows<BM, D>(sQ, o, wrow, inv, lane);
   __syncwarp();
-  const int64_t stride = int64_t(g.heads) * D;
-  bf16* oh = out + HeadOffset<D>(bh, g.tq, g.heads);
-  constexpr int KC = D / 8;
-#pragma unroll
-  for (int i = 0; i < 16 * KC / 32; ++i) {
-    const int c = lane + 32 * i, row = wrow + c / KC, col = (c % KC) * 8;
-    if (q0 + row < g.tq)
-      *reinterpret_cast<uint4*>(oh + int64_t(q0 + row) * stride + col) =
-          *reinterpret_cast<const uint4*>(sQ + Sw128<BM>(row, col));
-  }
+  StoreRows<BM, D>(out + HeadOffset<D>(bh, g.tq, g.heads), sQ, wrow, q0, g.tq,
+                   int64_t(g.heads) * D, lane);
 #endif  // BLUJAX_WGMMA
 }
 
 }  // namespace
 }  // namespace blujax
+

@@ -1,0 +1,329 @@
+// The bfloat16 attention backward on Hopper (sm_90a): the portable backward's two kernels (dK
+// and dV per key block, dQ per query block; attention_bf16.cuh) rebuilt on warpgroup MMAs fed
+// by TMA, as the forward in attention_sm90.cuh is (attention.cu has the overview, the launchers
+// and the handlers). Both keep the portable kernels' properties: each output element is written
+// by one CTA, so the result is deterministic, and no float32 scratch the size of dQ is needed.
+//
+// Every product has one of the two forms the forward uses: a "scores" form, A and B both
+// K-major tiles in shared memory (S = Q K^T; here also S^T = K Q^T, dP^T = V dO^T, dP = dO V^T),
+// and an "accumulate" form, A from registers (a score-shaped accumulator converted in place)
+// and B a [rows][D] tile read transposed (dV += P^T dO, dK += dS^T Q, dQ += dS K).
+//
+// dK/dV: a CTA is two consumer warpgroups, each owning 64 keys, and a producer warpgroup. The
+// producer's first warp copies K and V once, then Q and dO of every query tile into two
+// buffers (TMA); its second warp puts the tile's lse (in log2 units) and delta in shared memory
+// beside them. Per query tile a consumer warpgroup issues S^T and dP^T, turns S^T into P^T,
+// issues dV += P^T dO, turns dP^T into dS^T while that runs, and issues dK += dS^T Q.
+// dQ: a CTA is kWarpgroups consumer warpgroups of 64 query rows and a producer that copies Q
+// and dO once, then K and V of every key tile into kStages buffers. Per key tile j a consumer
+// warpgroup issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that
+// product runs (the forward's schedule, with dS in place of P).
+
+#pragma once
+
+#include "cuda/attention_sm90_common.cuh"
+
+namespace blujax {
+namespace {
+
+// The TMA descriptors of q and dout (boxes of a query tile) and k, v (boxes of a key tile).
+struct BwdSm90Maps {
+  CUtensorMap q, k, v, dout;
+};
+
+// ---------------------------------------------------------------------------------------------
+// dK and dV: one CTA per 128 keys of one (batch, head), looping over query tiles of kBM.
+
+template <int D, int BM, int kStages>
+struct BwdKvSm90Cfg {
+  static constexpr int kD = D, kBM = BM, kStageCount = kStages;
+  static constexpr int kWarpgroups = 2, kBN = 64 * kWarpgroups;  // keys per CTA
+  static constexpr int kConsumers = 128 * kWarpgroups, kThreads = kConsumers + 128;
+  static constexpr int kConsumerRegs = 240, kProducerRegs = 24;
+  // K, V, kStages x (Q, dO, lse, delta), the mbarriers, and room to align to 1024 bytes.
+  static constexpr int kSmem = (2 * kBN + 2 * kStages * BM) * D * int(sizeof(bf16)) +
+                               2 * kStages * BM * int(sizeof(float)) + 8 * (1 + 2 * kStages) +
+                               1024;
+};
+
+// dK and dV take D / 2 accumulator registers each per thread; 64-query tiles leave room for
+// S^T, dP^T and their bfloat16 operands beside them at D = 128. Measured on an H100: 128-query
+// tiles at D = 64, three buffers, and issuing the next tile's S^T and dP^T behind this tile's
+// dV and dK products were each the same or 3-6% slower.
+template <int D>
+using BwdKvSm90 = BwdKvSm90Cfg<D, 64, 2>;
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, 1)
+AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* __restrict__ lse,
+                         const float* __restrict__ delta, bf16* __restrict__ dk,
+                         bf16* __restrict__ dv, Geometry g, int n_kt) {
+#ifdef BLUJAX_WGMMA
+  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN, S = C::kStageCount;
+  constexpr int kTileBytes = BM * D * int(sizeof(bf16));
+  extern __shared__ uint4 smem_kv_sm90[];
+  bf16* sK = Aligned1024(smem_kv_sm90);
+  bf16* sV = sK + BN * D;
+  bf16* sQ = sV + BN * D;       // [S][BM][D]
+  bf16* sdO = sQ + S * BM * D;  // [S][BM][D]
+  float* sL = reinterpret_cast<float*>(sdO + S * BM * D);  // [S][BM], lse * log2(e)
+  float* sDl = sL + S * BM;                                // [S][BM]
+  // kv_full; then per buffer: full (Q, dO, lse and delta arrived), empty.
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sDl + S * BM);
+  uint64_t *kv_full = bars, *full = bars + 1, *empty = full + S;
+
+  int kt;
+  int64_t bh;
+  BlockCoords(n_kt, false, &kt, &bh);  // causal: key tile 0 has the most work, so it goes first
+  const int k0 = kt * BN, b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+  const int n_qt = (g.tq + BM - 1) / BM;
+  const int first = g.causal ? k0 / BM : 0;  // earlier queries see none of these keys
+  constexpr int kConsumerWarps = C::kConsumers / 32;
+  if (threadIdx.x == 0) {
+    MbarInit(kv_full, 1);
+    for (int i = 0; i < S; ++i) {
+      MbarInit(full + i, 1 + 32);  // the copying thread and the 32 lanes writing the statistics
+      MbarInit(empty + i, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
+  const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  if (wg == C::kWarpgroups) {
+    SetMaxRegs<C::kProducerRegs>();
+    // Query tile i goes to buffer (i - first) % S once tile i - S has left it.
+    if (warp == 0 && lane == 0) {
+      MbarExpectBytes(kv_full, 2 * BN * D * int(sizeof(bf16)));
+      TmaTile<D>(sK, BN, &maps.k, h, k0, b, kv_full);
+      TmaTile<D>(sV, BN, &maps.v, h, k0, b, kv_full);
+      for (int i = first; i < n_qt; ++i) {
+        const int buf = (i - first) % S, use = (i - first) / S;
+        if (use > 0) MbarWait(empty + buf, (use - 1) & 1);
+        MbarExpectBytes(full + buf, 2 * kTileBytes);
+        TmaTile<D>(sQ + buf * BM * D, BM, &maps.q, h, i * BM, b, full + buf);
+        TmaTile<D>(sdO + buf * BM * D, BM, &maps.dout, h, i * BM, b, full + buf);
+      }
+    } else if (warp == 1) {
+      // Queries past Tq get lse = +inf, so their P and dS are exactly 0.
+      const float* lh = lse + bh * g.tq;
+      const float* dlh = delta + bh * g.tq;
+      for (int i = first; i < n_qt; ++i) {
+        const int buf = (i - first) % S, use = (i - first) / S;
+        if (use > 0) MbarWait(empty + buf, (use - 1) & 1);
+        for (int r = lane; r < BM; r += 32) {
+          const int query = i * BM + r;
+          const bool valid = query < g.tq;
+          sL[buf * BM + r] = valid ? lh[query] * kLog2e : INFINITY;
+          sDl[buf * BM + r] = valid ? dlh[query] : 0.f;
+        }
+        MbarArrive(full + buf, true);
+      }
+    }
+    return;
+  }
+  SetMaxRegs<C::kConsumerRegs>();
+
+  const int gr = lane / 4, t4 = lane % 4;
+  const int key_a = k0 + wg * 64 + warp * 16 + gr;  // the key of accumulator entries 0, 1 (+8)
+  const bf16* sKw = sK + wg * 64 * 64;  // this warpgroup's 64 keys in each 64-column half
+  const bf16* sVw = sV + wg * 64 * 64;
+  auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
+
+  float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
+  float st[BM / 8][4], dpt[BM / 8][4];
+  uint32_t pt[BM / 16][4], dst[BM / 16][4];
+  MbarWait(kv_full, 0);
+  for (int i = first; i < n_qt; ++i) {
+    const int buf = (i - first) % S, q0 = i * BM;
+    const bf16* cQ = sQ + buf * BM * D;
+    const bf16* cdO = sdO + buf * BM * D;
+    const float* cL = sL + buf * BM;
+    const float* cDl = sDl + buf * BM;
+    MbarWait(full + buf, ((i - first) / S) & 1);
+    WgmmaFence();
+    IssueRowsByRows<BM, D, BN>(st, sKw, cQ);    // S^T = K Q^T
+    IssueRowsByRows<BM, D, BN>(dpt, sVw, cdO);  // dP^T = V dO^T
+    WgmmaWait<1>();
+    FenceRegs(st);
+    // P^T = exp(scale S^T - lse of each column's query); above the diagonal 0.
+    const bool mask = g.causal && k0 + wg * 64 + 63 > q0;  // uniform in the warpgroup
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * t4 + (e & 1);
+        float p = exp2f(fmaf(st[n][e], g.scale_log2, -cL[col]));
+        if (mask && key_a + (e >> 1) * 8 > q0 + col) p = 0.f;
+        st[n][e] = p;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(pt[kk], st, kk);
+    WgmmaFence();
+    IssueAccumulate<BM, D>(dv_acc, pt, cdO);  // dV += P^T dO
+    WgmmaWait<1>();
+    FenceRegs(dpt);
+    // dS^T = P^T (dP^T - delta), while dV's product runs.
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[n][e] = st[n][e] * (dpt[n][e] - cDl[n * 8 + 2 * t4 + (e & 1)]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(dst[kk], dpt, kk);
+    WgmmaFence();
+    IssueAccumulate<BM, D>(dk_acc, dst, cQ);  // dK += dS^T Q (scaled at the end)
+    WgmmaWait<0>();
+    FenceRegs(dv_acc);
+    FenceRegs(dk_acc);
+    FenceRegs(pt);
+    FenceRegs(dst);
+    release(empty + buf);
+  }
+
+  // Stage in this warp's own rows of sK / sV (only its warpgroup's finished MMAs read them),
+  // and write whole 16-byte chunks.
+  const int wrow = wg * 64 + warp * 16;
+  const float scale[2] = {g.scale, g.scale}, one[2] = {1.f, 1.f};
+  StageRows<BN, D>(sK, dk_acc, wrow, scale, lane);
+  StageRows<BN, D>(sV, dv_acc, wrow, one, lane);
+  __syncwarp();
+  const int64_t stride = int64_t(g.heads) * D, kv_off = HeadOffset<D>(bh, g.tk, g.heads);
+  StoreRows<BN, D>(dk + kv_off, sK, wrow, k0, g.tk, stride, lane);
+  StoreRows<BN, D>(dv + kv_off, sV, wrow, k0, g.tk, stride, lane);
+#endif  // BLUJAX_WGMMA
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ: one CTA per 64 * kWarpgroups query rows of one (batch, head), looping over key tiles.
+
+template <int D, int WG, int BN, int kStages>
+struct BwdQSm90Cfg {
+  static constexpr int kD = D, kWarpgroups = WG, kBN = BN, kBM = 64 * WG, kStageCount = kStages;
+  static constexpr int kConsumers = 128 * WG, kThreads = kConsumers + 128;
+  static constexpr int kConsumerRegs = WG == 2 ? 240 : 160, kProducerRegs = WG == 2 ? 24 : 32;
+  // Q, dO, kStages x (K, V), the mbarriers, and room to align to 1024 bytes.
+  static constexpr int kSmem = (2 * kBM + 2 * kStages * BN) * D * int(sizeof(bf16)) +
+                               8 * KvStream<kStages>::kBarriers + 1024;
+};
+
+// Measured on an H100 (benchmarks/RESULTS.md): three K/V buffers run forward+backward 10-13%
+// faster than two (the next tile's copy has a tile more to arrive); four gain nothing more, nor
+// do 128-key tiles or three warpgroups.
+template <int D>
+using BwdQSm90 = BwdQSm90Cfg<D, 2, 64, 3>;
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, 1)
+AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* __restrict__ lse,
+                        const float* __restrict__ delta, bf16* __restrict__ dq, Geometry g,
+                        int n_qt) {
+#ifdef BLUJAX_WGMMA
+  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN, S = C::kStageCount;
+  extern __shared__ uint4 smem_q_sm90[];
+  bf16* sQ = Aligned1024(smem_q_sm90);
+  bf16* sdO = sQ + BM * D;
+  bf16* sK = sdO + BM * D;     // [S][BN][D]
+  bf16* sV = sK + S * BN * D;  // [S][BN][D]
+  const KvStream<S> pipe(reinterpret_cast<uint64_t*>(sV + S * BN * D));
+
+  int qt;
+  int64_t bh;
+  BlockCoords(n_qt, g.causal, &qt, &bh);
+  const int q0 = qt * BM, n_kt = KeyTiles(g, q0, BM, BN);
+  const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+  constexpr int kConsumerWarps = C::kConsumers / 32;
+  if (threadIdx.x == 0) pipe.Init(kConsumerWarps);
+  __syncthreads();
+
+  const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
+  if (wg == C::kWarpgroups) {
+    // The producer: Q and dO, then K_j and V_j into buffer j % S.
+    SetMaxRegs<C::kProducerRegs>();
+    if (threadIdx.x == C::kConsumers) {
+      MbarExpectBytes(pipe.q_full, 2 * BM * D * int(sizeof(bf16)));
+      TmaTile<D>(sQ, BM, &maps.q, h, q0, b, pipe.q_full);
+      TmaTile<D>(sdO, BM, &maps.dout, h, q0, b, pipe.q_full);
+      pipe.template Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt);
+    }
+    return;
+  }
+  SetMaxRegs<C::kConsumerRegs>();
+
+  const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int gr = lane / 4, t4 = lane % 4;
+  const int wrow = wg * 64 + warp * 16;  // this warp's first row in the block
+  const bf16* sQw = sQ + wg * 64 * 64;   // this warpgroup's 64 rows in each 64-column half
+  const bf16* sdOw = sdO + wg * 64 * 64;
+  auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
+
+  // Per-row statistics of rows wrow + gr (+ 8); rows past Tq are never stored.
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + wrow + gr + 8 * r;
+    lse2[r] = row < g.tq ? lse[bh * g.tq + row] * kLog2e : 0.f;
+    dl[r] = row < g.tq ? delta[bh * g.tq + row] : 0.f;
+  }
+
+  float dq_acc[D / 8][4] = {};
+  float s[BN / 8][4], dp[BN / 8][4];
+  uint32_t ds[BN / 16][4];
+  MbarWait(pipe.q_full, 0);
+  for (int j = 0; j < n_kt; ++j) {
+    const int buf = j % S, prev = (j + S - 1) % S, phase = (j / S) & 1;
+    MbarWait(pipe.k_full + buf, phase);
+    MbarWait(pipe.v_full + buf, phase);
+    WgmmaFence();
+    IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);    // S = Q K_j^T
+    IssueRowsByRows<BN, D, BM>(dp, sdOw, sV + buf * BN * D);  // dP = dO V_j^T
+    if (j > 0) {
+      IssueAccumulate<BN, D>(dq_acc, ds, sK + prev * BN * D);  // dQ += dS_{j-1} K_{j-1}
+      WgmmaWait<1>();
+    } else {
+      WgmmaWait<0>();
+    }
+    release(pipe.v_empty + buf);
+    FenceRegs(s);
+    FenceRegs(dp);
+    // dS = P (dP - delta), P = exp(scale S - lse); past Tk or above the diagonal 0.
+    const int k0 = j * BN;
+    const bool mask = k0 + BN > g.tk || (g.causal && k0 + BN - 1 > q0 + wrow);
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + n * 8 + 2 * t4 + (e & 1), r = e >> 1;
+        const int row = q0 + wrow + gr + 8 * r;
+        float p = exp2f(fmaf(s[n][e], g.scale_log2, -lse2[r]));
+        if (mask && (key >= g.tk || (g.causal && key > row))) p = 0.f;
+        s[n][e] = p * (dp[n][e] - dl[r]);
+      }
+    }
+    WgmmaWait<0>();
+    FenceRegs(dq_acc);
+    FenceRegs(ds);
+    if (j > 0) release(pipe.k_empty + prev);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) AccToOperand(ds[kk], s, kk);
+  }
+  WgmmaFence();
+  IssueAccumulate<BN, D>(dq_acc, ds, sK + (n_kt - 1) % S * BN * D);
+  WgmmaWait<0>();
+  FenceRegs(dq_acc);
+
+  // Stage this warp's rows in its own rows of sQ (only its warpgroup's finished MMAs read
+  // them) and write whole 16-byte chunks.
+  const float scale[2] = {g.scale, g.scale};
+  StageRows<BM, D>(sQ, dq_acc, wrow, scale, lane);
+  __syncwarp();
+  StoreRows<BM, D>(dq + HeadOffset<D>(bh, g.tq, g.heads), sQ, wrow, q0, g.tq,
+                   int64_t(g.heads) * D, lane);
+#endif  // BLUJAX_WGMMA
+}
+
+}  // namespace
+}  // namespace blujax

@@ -1,0 +1,330 @@
+// What the Hopper (sm_90a) attention kernels share: PTX wrappers for warpgroup MMAs (wgmma),
+// the 128-byte-swizzled shared-memory tiles they read, mbarriers, TMA copies and setmaxnreg
+// (attention_sm90.cuh has the forward, attention_sm90_bwd.cuh the backward, attention.cu the
+// overview and the launchers).
+//
+// Shared-memory tiles use the hardware's 128-byte swizzle, which TMA writes and wgmma reads:
+// rows of 64 elements (128 bytes) with 16-byte chunk c of row r stored at chunk c ^ (r % 8), in
+// 1024-byte atoms of 8 rows; a tile of D = 128 is two such 64-column halves one after the other.
+
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <type_traits>
+
+#include "cuda/attention_common.cuh"
+
+// wgmma exists only in code compiled for sm_90a; other targets compile an empty kernel that
+// the launcher never runs (it checks the binary it would launch: Sm90Runs in attention.cu).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BLUJAX_WGMMA 1
+#endif
+
+namespace blujax {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers for warpgroup MMAs.
+
+// Descriptor of a 128-byte-swizzled shared-memory operand at p (1024-byte aligned atoms).
+// sbo: bytes between 8-row atoms; lbo: bytes between 64-column halves of a transposed
+// (MN-major) operand, unused for K-major ones.
+__device__ __forceinline__ uint64_t Sw128Desc(const void* p, uint32_t lbo = 16) {
+  constexpr uint32_t kSbo = 1024;
+  return uint64_t((SmemAddr(p) & 0x3FFFF) >> 4) | uint64_t((lbo >> 4) & 0x3FFF) << 16 |
+         uint64_t(kSbo >> 4) << 32 | uint64_t(1) << 62;
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accesses of registers that an asynchronous wgmma reads or
+// writes (accumulators, A fragments) across the wait or fence before this.
+template <typename T, int kN>
+__device__ __forceinline__ void FenceRegs(T (&d)[kN][4]) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<T, float>) {
+        asm volatile("" : "+f"(d[n][e])::"memory");
+      } else {
+        asm volatile("" : "+r"(d[n][e])::"memory");
+      }
+    }
+  }
+}
+
+#define BLUJAX_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+#define BLUJAX_D16(n) BLUJAX_D4(n), BLUJAX_D4(n + 1), BLUJAX_D4(n + 2), BLUJAX_D4(n + 3)
+#define BLUJAX_REGS32                                                     \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29," \
+  "%30, %31"
+#define BLUJAX_REGS64                                                     \
+  BLUJAX_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42," \
+  "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, " \
+  "%57, %58, %59, %60, %61, %62, %63"
+
+// d (64 x N, the accumulators as N/8 mma-style [4] tiles per thread) (+)= A B for one k-step of
+// 16. SS: A and B are K-major shared-memory tiles. RS: A is registers (the mma.sync A layout,
+// per warp 16 rows), B a transposed (MN-major) shared-memory tile. accumulate = 0 overwrites.
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  static __device__ __forceinline__ void SS(float (&d)[8][4], uint64_t a, uint64_t b,
+                                            int accumulate) {
+#ifdef BLUJAX_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" BLUJAX_REGS32 "}, %32, %33, "
+        "p, 1, 1, 0, 0;\n}\n"
+        : BLUJAX_D16(0), BLUJAX_D16(4)
+        : "l"(a), "l"(b), "r"(accumulate));
+#endif
+  }
+  static __device__ __forceinline__ void RS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b,
+                                            int accumulate) {
+#ifdef BLUJAX_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" BLUJAX_REGS32 "}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : BLUJAX_D16(0), BLUJAX_D16(4)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+#endif
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  static __device__ __forceinline__ void SS(float (&d)[16][4], uint64_t a, uint64_t b,
+                                            int accumulate) {
+#ifdef BLUJAX_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" BLUJAX_REGS64 "}, %64, %65, "
+        "p, 1, 1, 0, 0;\n}\n"
+        : BLUJAX_D16(0), BLUJAX_D16(4), BLUJAX_D16(8), BLUJAX_D16(12)
+        : "l"(a), "l"(b), "r"(accumulate));
+#endif
+  }
+  static __device__ __forceinline__ void RS(float (&d)[16][4], const uint32_t (&a)[4],
+                                            uint64_t b, int accumulate) {
+#ifdef BLUJAX_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" BLUJAX_REGS64 "}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : BLUJAX_D16(0), BLUJAX_D16(4), BLUJAX_D16(8), BLUJAX_D16(12)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+#endif
+  }
+};
+
+#undef BLUJAX_D4
+#undef BLUJAX_D16
+#undef BLUJAX_REGS32
+#undef BLUJAX_REGS64
+
+// Products of a warpgroup, issued and committed as one group. acc (64 x N) = A B^T over D: A
+// the 64 rows at `a` of a K-major tile of kARows rows, B a K-major tile of N rows (S = Q K^T,
+// S^T = K Q^T, dP = dO V^T, dP^T = V dO^T).
+template <int N, int D, int kARows>
+__device__ __forceinline__ void IssueRowsByRows(float (&acc)[N / 8][4], const bf16* a,
+                                                const bf16* b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {  // 32 bytes along a swizzled row, then the next half
+    const int half = kk / 4, at = (kk % 4) * 16;
+    Wgmma<N>::SS(acc, Sw128Desc(a + half * kARows * 64 + at), Sw128Desc(b + half * N * 64 + at),
+                 kk > 0);
+  }
+  WgmmaCommit();
+}
+
+// acc (64 x D) += A B over K: A in registers (K / 16 operands, an accumulator converted by
+// AccToOperand), B a tile of K rows x D read transposed (O += P V, dV += P^T dO,
+// dK += dS^T Q, dQ += dS K).
+template <int K, int D>
+__device__ __forceinline__ void IssueAccumulate(float (&acc)[D / 8][4],
+                                                const uint32_t (&a)[K / 16][4], const bf16* b) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)  // 16 rows of B a step; LBO: bytes between its halves
+    Wgmma<D>::RS(acc, a[kk], Sw128Desc(b + kk * 16 * 64, K * 64 * sizeof(bf16)), 1);
+  WgmmaCommit();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 128-byte-swizzled tiles.
+
+// Element offset of (row, col) in a tile of kRows rows: 64-column halves one after the other.
+template <int kRows>
+__device__ __forceinline__ int Sw128(int row, int col) {
+  return (col / 64) * kRows * 64 + row * 64 + ((((col % 64) / 8) ^ (row & 7)) * 8) + col % 8;
+}
+
+// The first 1024-byte boundary in dynamic shared memory (kernels ask for 1024 bytes more than
+// their tiles): the swizzle is a function of address bits 7-9, so tiles start on one.
+__device__ __forceinline__ bf16* Aligned1024(void* smem) {
+  char* p = static_cast<char*>(smem);
+  return reinterpret_cast<bf16*>(p + ((1024 - (SmemAddr(p) & 1023)) & 1023));
+}
+
+// A warp's accumulator rows wrow + gr and wrow + gr + 8 (gr = lane / 4) of acc (64 x D),
+// times scale[0] and scale[1], as bfloat16 into rows of a tile of kRows rows.
+template <int kRows, int D>
+__device__ __forceinline__ void StageRows(bf16* tile, const float (&acc)[D / 8][4], int wrow,
+                                          const float (&scale)[2], int lane) {
+  const int gr = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+      *reinterpret_cast<uint32_t*>(tile + Sw128<kRows>(wrow + gr + 8 * r, dn * 8 + 2 * t4)) =
+          PackBf16(acc[dn][2 * r] * scale[r], acc[dn][2 * r + 1] * scale[r]);
+  }
+}
+
+// A warp's 16 staged rows [wrow, wrow + 16) of a tile of kRows rows -> rows t0 + wrow, ... of
+// one (batch, head) slice `head` of a [B, T, H, D] tensor, in whole 16-byte chunks; rows at or
+// past t_len are not written.
+template <int kRows, int D>
+__device__ __forceinline__ void StoreRows(bf16* head, const bf16* tile, int wrow, int t0,
+                                          int t_len, int64_t stride, int lane) {
+  constexpr int KC = D / 8;
+#pragma unroll
+  for (int i = 0; i < 16 * KC / 32; ++i) {
+    const int c = lane + 32 * i, row = wrow + c / KC, col = (c % KC) * 8;
+    if (t0 + row < t_len)
+      *reinterpret_cast<uint4*>(head + int64_t(t0 + row) * stride + col) =
+          *reinterpret_cast<const uint4*>(tile + Sw128<kRows>(row, col));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// mbarriers and TMA.
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+
+// The producer's arrival: the phase completes when `bytes` more have arrived by TMA.
+__device__ __forceinline__ void MbarExpectBytes(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// One arrival, from the threads for which `signal` holds: predicated inside the asm so that the
+// code around a warpgroup MMA stays free of divergent branches (ptxas serialises wgmma after
+// those).
+__device__ __forceinline__ void MbarArrive(uint64_t* bar, bool signal) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+      ::"r"(SmemAddr(bar)), "r"(int(signal))
+      : "memory");
+}
+
+// Waits until the phase with this parity (0 for the 1st, 3rd, ... completion) has completed;
+// the loop is inside the asm, for the same reason (its labels are local to the { } scope).
+__device__ __forceinline__ void MbarWait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(SmemAddr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// Registers per thread of the warpgroup that runs this, from here on (setmaxnreg): the producer
+// gives up what the consumers take.
+template <int kRegs>
+__device__ __forceinline__ void SetMaxRegs() {
+  if constexpr (kRegs > 128) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  }
+}
+
+// Box {64 columns, 1 head, rows, 1 batch} of a [B, T, H, D] tensor at (col, h, t, b) -> smem
+// (128-byte swizzled; rows past T arrive as zeros), completing `bytes` on bar.
+__device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, int col, int h, int t,
+                                        int b, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(h), "r"(t), "r"(b), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+// A tile of `rows` rows x D at row t0 of (b, h): one box per 64-column half.
+template <int D>
+__device__ __forceinline__ void TmaTile(bf16* dst, int rows, const CUtensorMap* map, int h,
+                                        int t0, int b, uint64_t* bar) {
+#pragma unroll
+  for (int half = 0; half < D / 64; ++half)
+    TmaLoad(dst + half * rows * 64, map, half * 64, h, t0, b, bar);
+}
+
+// The mbarriers and the producer loop of a kernel that holds one block of query rows and
+// streams the K and V tiles of its (batch, head) through kStages buffers each: tile j goes to
+// buffer j % kStages once tile j - kStages has left it (every consumer warp arrived on empty).
+// Consumers wait for tile j with parity (j / kStages) & 1.
+template <int kStages>
+struct KvStream {
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  uint64_t *q_full, *k_full, *k_empty, *v_full, *v_empty;
+
+  __device__ explicit KvStream(uint64_t* bars)
+      : q_full(bars),
+        k_full(bars + 1),
+        k_empty(k_full + kStages),
+        v_full(k_empty + kStages),
+        v_empty(v_full + kStages) {}
+
+  // One thread, before a __syncthreads.
+  __device__ void Init(int consumer_warps) const {
+    MbarInit(q_full, 1);
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(k_full + i, 1);
+      MbarInit(v_full + i, 1);
+      MbarInit(k_empty + i, consumer_warps);
+      MbarInit(v_empty + i, consumer_warps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+
+  // The producer's one thread: K_j and V_j of (b, h) for j < n_kt, in tiles of kRows rows.
+  template <int D, int kRows>
+  __device__ void Stream(bf16* sK, bf16* sV, const CUtensorMap* k, const CUtensorMap* v, int h,
+                         int b, int n_kt) const {
+    constexpr int kBytes = kRows * D * int(sizeof(bf16));
+    for (int j = 0; j < n_kt; ++j) {
+      const int buf = j % kStages, use = j / kStages;
+      if (use > 0) MbarWait(k_empty + buf, (use - 1) & 1);
+      MbarExpectBytes(k_full + buf, kBytes);
+      TmaTile<D>(sK + buf * kRows * D, kRows, k, h, j * kRows, b, k_full + buf);
+      if (use > 0) MbarWait(v_empty + buf, (use - 1) & 1);
+      MbarExpectBytes(v_full + buf, kBytes);
+      TmaTile<D>(sV + buf * kRows * D, kRows, v, h, j * kRows, b, v_full + buf);
+    }
+  }
+};
+
+}  // namespace
+}  // namespace blujax
