@@ -134,8 +134,16 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
   float st[BM / 8][4], dpt[BM / 8][4];
   uint32_t pt[BM / 16][4], dst[BM / 16][4];
+  // Causal: query tiles before this warpgroup's first key see none of its keys. It lets them
+  // pass, waiting for each so that its arrival counts for that tile.
+  const int mine = g.causal ? min((k0 + wg * 64) / BM, n_qt) : first;
+  for (int i = first; i < mine; ++i) {
+    const int buf = (i - first) % S;
+    MbarWait(full + buf, ((i - first) / S) & 1);
+    release(empty + buf);
+  }
   MbarWait(kv_full, 0);
-  for (int i = first; i < n_qt; ++i) {
+  for (int i = mine; i < n_qt; ++i) {
     const int buf = (i - first) % S, q0 = i * BM;
     const bf16* cQ = sQ + buf * BM * D;
     const bf16* cdO = sdO + buf * BM * D;
@@ -272,8 +280,11 @@ AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* _
   float dq_acc[D / 8][4] = {};
   float s[BN / 8][4], dp[BN / 8][4];
   uint32_t ds[BN / 16][4];
+  // Causal: key tiles after this warpgroup's last row add nothing to its dQ (the block's later
+  // rows need them); it stops before them.
+  const int n_mine = g.causal ? KeyTiles(g, q0 + wg * 64, 64, BN) : n_kt;
   MbarWait(pipe.q_full, 0);
-  for (int j = 0; j < n_kt; ++j) {
+  for (int j = 0; j < n_mine; ++j) {
     const int buf = j % S, prev = (j + S - 1) % S, phase = (j / S) & 1;
     MbarWait(pipe.k_full + buf, phase);
     MbarWait(pipe.v_full + buf, phase);
@@ -311,9 +322,18 @@ AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* _
     for (int kk = 0; kk < BN / 16; ++kk) AccToOperand(ds[kk], s, kk);
   }
   WgmmaFence();
-  IssueAccumulate<BN, D>(dq_acc, ds, sK + (n_kt - 1) % S * BN * D);
+  IssueAccumulate<BN, D>(dq_acc, ds, sK + (n_mine - 1) % S * BN * D);
   WgmmaWait<0>();
   FenceRegs(dq_acc);
+  // Release the tiles it skipped, each once it has arrived (so the arrival counts for it).
+  release(pipe.k_empty + (n_mine - 1) % S);
+  for (int j = n_mine; j < n_kt; ++j) {
+    const int buf = j % S, phase = (j / S) & 1;
+    MbarWait(pipe.k_full + buf, phase);
+    MbarWait(pipe.v_full + buf, phase);
+    release(pipe.k_empty + buf);
+    release(pipe.v_empty + buf);
+  }
 
   // Stage this warp's rows in its own rows of sQ (only its warpgroup's finished MMAs read
   // them) and write whole 16-byte chunks.
