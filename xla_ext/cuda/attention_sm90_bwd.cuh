@@ -18,6 +18,9 @@
 // and dO once, then K and V of every key tile into kStages buffers. Per key tile j a consumer
 // warpgroup issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that
 // product runs (the forward's schedule, with dS in place of P).
+// Causal: a warpgroup lets pass the tiles in which none of its (query, key) pairs survive the
+// mask (a query tile before all its keys, a key tile after all its rows), still waiting for
+// each and releasing it so that the buffers' mbarriers count its arrival.
 
 #pragma once
 
