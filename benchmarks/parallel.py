@@ -94,7 +94,10 @@ def _plain_ops():
     def attention(q, k, v, *, causal=True, scale=None):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             implementation="xla")
-    return types.SimpleNamespace(**{**vars(model_ops.XLA), "attention": attention})
+    def attention_qkv(qkv, *, causal=True, scale=None):
+        return attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, scale=scale)
+    return types.SimpleNamespace(**{**vars(model_ops.XLA), "attention": attention,
+                                    "attention_qkv": attention_qkv})
 
 
 def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_dir=None):

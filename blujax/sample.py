@@ -117,9 +117,10 @@ def _generate_cached(params, prompt, key, *, config, new, temperature, top_k, op
     return toks.T
 
 
-def _attend_cached(cache_k, cache_v, at, q, k, v):
-    """q, k, v [B, 1, H, D] at position `at`: store k, v there and attend to positions <= at.
-    One query against the cache is memory-bound work: plain jnp, in float32."""
+def _attend_cached(cache_k, cache_v, at, qkv):
+    """qkv [B, 1, 3, H, D] at position `at`: store its k, v there and attend to positions
+    <= at. One query against the cache is memory-bound work: plain jnp, in float32."""
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k, at, axis=1)
     cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v, at, axis=1)
     scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))

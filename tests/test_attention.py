@@ -192,6 +192,87 @@ def test_shard_map_over_heads(rng):
     assert "blujax_attention_fwd" in hlo and "all-gather" not in hlo
 
 
+# --- attention_qkv: a fused QKV projection's output in, its gradient out in one tensor ----------
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _qkv_value_and_grad(fn, causal, qkv, ct):
+    loss = lambda qkv: jnp.sum(fn(qkv, causal=causal).astype(jnp.float32) * ct)  # noqa: E731
+    return fn(qkv, causal=causal), jax.grad(loss)(qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("t,causal,d", [(1, True, 64), (17, True, 128), (67, False, 64),
+                                        (130, True, 64), (200, False, 128), (33, True, 5)],
+                         ids=str)
+def test_qkv_values_and_grads(rng, t, causal, d, dtype):
+    with _device_for(d):
+        qkv = randn(rng, (B, t, 3, H, d), dtype)
+        ct = randn(rng, (B, t, H, d), jnp.float32)
+        out, dqkv = _qkv_value_and_grad(ops.attention_qkv, causal, qkv, ct)
+        out_ref, dqkv_ref = _qkv_value_and_grad(spec.attention_qkv, causal, qkv, ct)
+        assert out.dtype == dtype and out.shape == (B, t, H, d)
+        assert dqkv.dtype == dtype and dqkv.shape == qkv.shape
+        assert_close(out, out_ref, dtype)
+        assert_close(dqkv, dqkv_ref, dtype, factor=2 if dtype == jnp.bfloat16 else 5)
+        # The same kernels as attention(q, k, v): only where dq, dk, dv are written differs.
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        loss = lambda q, k, v: jnp.sum(  # noqa: E731
+            ops.attention(q, k, v, causal=causal).astype(jnp.float32) * ct)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        np.testing.assert_array_equal(out, ops.attention(q, k, v, causal=causal))
+        np.testing.assert_array_equal(dqkv, jnp.stack(grads, axis=2))
+        hlo = jax.jit(jax.grad(lambda x: jnp.sum(ops.attention_qkv(x)))).lower(qkv).as_text()
+        assert "blujax_attention_qkv_bwd" in hlo
+
+
+def test_qkv_check_grads_float64(rng):
+    with cpu_float64():
+        qkv = randn(rng, (2, 6, 3, 2, 3), jnp.float64)
+        assert_close(ops.attention_qkv(qkv), spec.attention_qkv(qkv), jnp.float64)
+        for causal in (True, False):
+            check_grads(functools.partial(ops.attention_qkv, causal=causal), (qkv,), order=1,
+                        modes=("rev",))
+
+
+def test_qkv_vmap(rng):
+    qkv = randn(rng, (3, 2, 9, 3, 2, 64), jnp.float32)
+    loss = lambda fn: lambda x: jnp.sum(jnp.sin(fn(x)))  # noqa: E731
+    got = jax.jit(jax.vmap(jax.grad(loss(ops.attention_qkv))))(qkv)
+    want = jax.jit(jax.vmap(jax.grad(loss(spec.attention_qkv))))(qkv)
+    assert_close(got, want, jnp.float32, factor=5)
+
+
+def test_qkv_bad_arguments(rng):
+    qkv = randn(rng, (2, 6, 3, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"attention_qkv: qkv must have shape \[B, T, 3, H, D\]"):
+        ops.attention_qkv(qkv[:, :, :2])
+    with pytest.raises(ValueError, match=r"attention_qkv: qkv must have shape"):
+        ops.attention_qkv(qkv[0])
+    with pytest.raises(TypeError, match="attention_qkv: qkv must be an array"):
+        ops.attention_qkv([1, 2, 3])
+    with pytest.raises(TypeError, match="dtype int32"):
+        ops.attention_qkv(qkv.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("case", ["dqkv_shape", "dqkv_dtype", "lengths", "delta_shape"])
+def test_qkv_handler_rejects_inconsistent_buffers(rng, case):
+    q, k, v = _qkv(rng, 6, 6, 64, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    lse = jnp.zeros((B, H, 6), jnp.float32)
+    l = sds(lse.shape, jnp.float32)
+    good = sds((B, 6, 3, H, 64), jnp.float32)
+    args = (q, k, v, q, lse, q, lse)
+    outs = {"dqkv_shape": (sds((B, 6, 2, H, 64), jnp.float32), l),
+            "dqkv_dtype": (sds(good.shape, jnp.bfloat16), l),
+            "lengths": (good, l),
+            "delta_shape": (good, sds((B, H, 5), jnp.float32))}[case]
+    if case == "lengths":  # a packed gradient needs Tq == Tk
+        args = (q, k[:, :5], v[:, :5], q, lse, q, lse)
+    with pytest.raises(Exception, match="blujax_attention_qkv_bwd"):
+        jax.block_until_ready(_raw("blujax_attention_qkv_bwd", outs, *args, causal=False,
+                                   scale=np.float32(0.3)))
+
+
 # --- errors a user can act on, at trace time ----------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors(rng):

@@ -5,7 +5,7 @@ the plain-XLA side of every benchmark. A model takes either namespace as its `op
 """
 
 from blujax.kernels.adamw import adamw_update, adamw_update_many
-from blujax.kernels.attention import attention, attention_with_lse
+from blujax.kernels.attention import attention, attention_qkv, attention_with_lse
 from blujax.kernels.cross_entropy import (
     cross_entropy_grad,
     cross_entropy_stats,
@@ -21,6 +21,7 @@ __all__ = [
     "adamw_update_many",
     "add_layer_norm",
     "attention",
+    "attention_qkv",
     "attention_with_lse",
     "cross_entropy_grad",
     "cross_entropy_stats",

@@ -43,6 +43,25 @@ def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = No
     return _attention_op("attention_with_lse", q, k, v, causal, scale)
 
 
+def attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
+    """attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]) for the output of a fused QKV
+    projection, qkv: [B, T, 3, H, D]. Returns [B, T, H, D].
+
+    The same kernels as `attention`; the backward writes dq, dk and dv straight into one
+    [B, T, 3, H, D] gradient, so no pass of the program concatenates them (a transformer's
+    backward otherwise copies that whole tensor once a layer).
+    """
+    op = "attention_qkv"
+    if not hasattr(qkv, "ndim") or not hasattr(qkv, "dtype"):
+        raise TypeError(f"{op}: qkv must be an array, got {type(qkv).__name__}")
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"{op}: qkv must have shape [B, T, 3, H, D], got {qkv.shape}")
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scale = _check(op, q, k, v, causal, scale)
+    require_kernels(op)
+    return _attention_qkv(qkv, bool(causal), scale)
+
+
 def _attention_op(op, q, k, v, causal, scale):
     scale = _check(op, q, k, v, causal, scale)
     require_kernels(op)
@@ -136,3 +155,33 @@ def _attention_bwd(causal, scale, res, cts):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _attention_qkv(qkv, causal, scale):
+    return _fwd_call(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal, scale)[0]
+
+
+def _attention_qkv_fwd(qkv, causal, scale):
+    # The slices are what the forward kernel reads; XLA writes them in the pass that produces
+    # qkv (the projection's bias add), so they cost no pass of their own.
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out, lse = _fwd_call(q, k, v, causal, scale)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_qkv_bwd(causal, scale, res, dout):
+    q, k, v, out, lse = res
+    dout = match_vma(dout.astype(q.dtype), q)[0]
+    dlse = jnp.zeros(lse.shape, lse.dtype)
+    dlse = match_vma(dlse, q)[0]
+    b, t, h, d = q.shape
+    dqkv, _ = jax.ffi.ffi_call(
+        "blujax_attention_qkv_bwd",
+        (result_type(q, (b, t, 3, h, d)), result_type(lse)),
+        vmap_method="sequential",
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
+    return (dqkv,)
+
+
+_attention_qkv.defvjp(_attention_qkv_fwd, _attention_qkv_bwd)

@@ -121,6 +121,11 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     return attention_with_lse(q, k, v, causal=causal, scale=scale)[0]
 
 
+def attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
+    """attention over a fused QKV projection's output qkv [B, T, 3, H, D]."""
+    return attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, scale=scale)
+
+
 def vocab_parallel_softmax_cross_entropy(logits, targets, *, axis_name, ignore_index: int = -1,
                                          num_classes: int | None = None):
     """softmax_cross_entropy of logits [N, V] split along the vocabulary over `axis_name`

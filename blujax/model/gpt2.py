@@ -198,7 +198,8 @@ class _OneDevice:
 
     share: parameters (float32) as a layer takes them; embed: (token, position) embeddings;
     gather_matmul: a LayerNorm output times a column-parallel weight; matmul_reduce: a
-    row-parallel product, its partial sums reduced; attend: the attention function.
+    row-parallel product, its partial sums reduced; attend: the attention function, of the
+    fused projection's qkv [B, T, 3, H, D].
     """
 
     @staticmethod
@@ -230,8 +231,9 @@ def _head(p, s, d, ops, par=ONE_DEVICE):
     return par.gather_matmul(h, p["wte"].T)
 
 
-def _attend(ops, q, k, v):
-    return ops.attention(q, k, v, causal=True), (k, v)
+def _attend(ops, qkv):
+    """Causal attention over qkv [B, T, 3, H, D]: (output, the layer's (k, v))."""
+    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
 
 
 def _block(layer, s, d, *, n_head, ops, attend, par=ONE_DEVICE):
@@ -245,7 +247,7 @@ def _block(layer, s, d, *, n_head, ops, attend, par=ONE_DEVICE):
     qkv = par.gather_matmul(h, layer["attn"]["w"]) + layer["attn"]["b"]
     B, T, _ = qkv.shape
     qkv = qkv.reshape(B, T, 3, -1, C // n_head)
-    a, kv = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    a, kv = attend(qkv)
     a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"]) + layer["attn_proj"]["b"]
     h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"])
     f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])

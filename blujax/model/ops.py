@@ -28,6 +28,11 @@ def _dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None 
                                         implementation=impl)
 
 
+def _dot_product_attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
+    return _dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
+                                  scale=scale)
+
+
 XLA = types.SimpleNamespace(
     layer_norm=xla.layer_norm,
     add_layer_norm=xla.add_layer_norm,
@@ -35,6 +40,7 @@ XLA = types.SimpleNamespace(
     softmax_cross_entropy=xla.softmax_cross_entropy,
     softmax_cross_entropy_mean=xla.softmax_cross_entropy_mean,
     attention=_dot_product_attention,
+    attention_qkv=_dot_product_attention_qkv,
     # The parallel forms (blujax.sharding): ring attention merges partial results through
     # the log-sum-exp; tensor parallelism splits the vocabulary.
     attention_with_lse=xla.attention_with_lse,

@@ -91,11 +91,12 @@ class Parallel:
         return partial(_ring, ops, self.context)
 
 
-def _causal(ops, q, k, v):
-    return ops.attention(q, k, v, causal=True), (k, v)
+def _causal(ops, qkv):
+    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
 
 
-def _ring(ops, n, q, k, v):
+def _ring(ops, n, qkv):
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
     return out, (k, v)

@@ -3,6 +3,7 @@
 //
 // blujax_attention_fwd  (q, k, v)                         -> (out, lse)
 // blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv, delta)
+// blujax_attention_qkv_bwd  (the same operands)            -> (dqkv, delta)
 // attributes: causal (bool), scale (float32, finite and > 0)
 //
 // q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
@@ -16,6 +17,9 @@
 // (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
 // it as scratch between its kernels and handlers never allocate; callers drop it.
+// The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
+// 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
+// concatenates the three; it needs Tq == Tk.
 // The GPU runs float32 and bfloat16 with D = 64 or 128; the CPU any D, and float64 too.
 #pragma once
 
@@ -111,22 +115,53 @@ inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi:
   return ffi::Error::Success();
 }
 
-// The backward's other operands and its results, once q, k, v are checked (dims filled).
-inline ffi::Error CheckAttentionBwdBuffers(const char* op, const ffi::AnyBuffer& q,
-                                           const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                           const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
-                                           const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
-                                           const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
-                                           const ffi::AnyBuffer& dv, const ffi::AnyBuffer& delta,
-                                           const AttentionDims& d) {
+// The backward's other operands and its delta result, once q, k, v are checked (dims filled).
+inline ffi::Error CheckAttentionBwdOperands(const char* op, const ffi::AnyBuffer& q,
+                                            const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                            const ffi::AnyBuffer& dout,
+                                            const ffi::AnyBuffer& dlse,
+                                            const ffi::AnyBuffer& delta, const AttentionDims& d) {
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
+  return CheckAttentionLse(op, "delta", delta, q.element_type(), d);
+}
+
+// Everything a backward handler takes but its gradient results (fills dims).
+inline ffi::Error CheckAttentionBwd(const char* op, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                    const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
+                                    const ffi::AnyBuffer& delta, bool causal, float scale,
+                                    bool allow_f64, AttentionDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
+  return CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d);
+}
+
+// dq, dk, dv like q, k, v.
+inline ffi::Error CheckAttentionGrads(const char* op, const ffi::AnyBuffer& q,
+                                      const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                      const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                                      const ffi::AnyBuffer& dv) {
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", dq, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", dk, "k", k));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dv", dv, "v", v));
-  return CheckAttentionLse(op, "delta", delta, q.element_type(), d);
+  return CheckSame(op, "dv", dv, "v", v);
+}
+
+// dqkv [B, T, 3, H, D] of q's dtype, with Tq == Tk.
+inline ffi::Error CheckAttentionQkvGrad(const char* op, const ffi::AnyBuffer& q,
+                                        const ffi::AnyBuffer& dqkv, const AttentionDims& d) {
+  if (d.q_len != d.kv_len)
+    return InvalidArgument(op, ": the qkv gradient needs as many queries as keys, got Tq = ",
+                           d.q_len, " and Tk = ", d.kv_len);
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "dqkv", dqkv, q.element_type()));
+  auto g = dqkv.dimensions();
+  if (g.size() != 5 || g[0] != d.batch || g[1] != d.q_len || g[2] != 3 || g[3] != d.heads ||
+      g[4] != d.head_dim)
+    return InvalidArgument(op, ": dqkv has shape ", ShapeString(dqkv), ", expected [", d.batch,
+                           ", ", d.q_len, ", 3, ", d.heads, ", ", d.head_dim, "] ([B, T, 3, H, D])");
+  return ffi::Error::Success();
 }
 
 }  // namespace blujax

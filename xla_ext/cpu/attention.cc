@@ -35,10 +35,13 @@ void Gather(const T* x, int64_t b, int64_t h, int64_t len, const AttentionDims& 
   }
 }
 
+// The reverse, into rows `token_stride` elements apart: H * D, or 3 * H * D for one of the
+// three thirds of a [B, T, 3, H, D] gradient.
 template <typename T, typename S>
-void Scatter(const S* src, int64_t b, int64_t h, int64_t len, const AttentionDims& d, T* x) {
+void Scatter(const S* src, int64_t b, int64_t h, int64_t len, const AttentionDims& d,
+             int64_t token_stride, T* x) {
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t off = ((b * len + t) * d.heads + h) * d.head_dim;
+    const int64_t off = (b * len + t) * token_stride + h * d.head_dim;
     for (int64_t c = 0; c < d.head_dim; ++c) Store(x, off + c, src[t * d.head_dim + c]);
   }
 }
@@ -109,7 +112,7 @@ void AttentionFwdImpl(const T* q, const T* k, const T* v, T* out,
           lse[(b * d.heads + h) * tq + q0 + i] = m[i] + std::log(l[i]);
         }
       }
-      Scatter(oh.data(), b, h, tq, d, out);
+      Scatter(oh.data(), b, h, tq, d, d.heads * d.head_dim, out);
     }
   }
 }
@@ -118,8 +121,8 @@ template <typename T>
 void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
                       const typename Compute<T>::type* lse, const T* dout,
                       const typename Compute<T>::type* dlse, T* dq, T* dk, T* dv,
-                      typename Compute<T>::type* delta_out, const AttentionDims& d, bool causal,
-                      float scale_f) {
+                      typename Compute<T>::type* delta_out, int64_t grad_stride,
+                      const AttentionDims& d, bool causal, float scale_f) {
   using S = typename Compute<T>::type;
   const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
   const S scale = static_cast<S>(scale_f);
@@ -172,9 +175,9 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
           }
         }
       }
-      Scatter(dqh.data(), b, h, tq, d, dq);
-      Scatter(dkh.data(), b, h, tk, d, dk);
-      Scatter(dvh.data(), b, h, tk, d, dv);
+      Scatter(dqh.data(), b, h, tq, d, grad_stride, dq);
+      Scatter(dkh.data(), b, h, tk, d, grad_stride, dk);
+      Scatter(dvh.data(), b, h, tk, d, grad_stride, dv);
     }
   }
 }
@@ -195,6 +198,22 @@ ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   });
 }
 
+// dq, dk, dv at their pointers, rows grad_stride apart (both handlers below).
+ffi::Error AttentionBwdImpl(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                            ffi::AnyBuffer dout, ffi::AnyBuffer dlse, void* dq, void* dk,
+                            void* dv, int64_t grad_stride, ffi::AnyBuffer* delta,
+                            const AttentionDims& d, bool causal, float scale) {
+  return DispatchFloat(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    using S = typename Compute<T>::type;
+    AttentionBwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), In<T>(out), In<S>(lse), In<T>(dout),
+                        In<S>(dlse), static_cast<T*>(dq), static_cast<T*>(dk),
+                        static_cast<T*>(dv), static_cast<S*>(delta->untyped_data()),
+                        grad_stride, d, causal, scale);
+  });
+}
+
 ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -202,16 +221,28 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         bool causal, float scale) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(
-      CheckAttentionBwdBuffers(op, q, k, v, out, lse, dout, dlse, *dq, *dk, *dv, *delta, d));
-  return DispatchFloat(q.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    using S = typename Compute<T>::type;
-    AttentionBwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), In<T>(out), In<S>(lse), In<T>(dout),
-                        In<S>(dlse), Out<T>(dq), Out<T>(dk), Out<T>(dv), Out<S>(delta), d,
-                        causal, scale);
-  });
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
+                                           scale, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
+  return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, dq->untyped_data(),
+                          dk->untyped_data(), dv->untyped_data(), d.heads * d.head_dim,
+                          &*delta, d, causal, scale);
+}
+
+ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                           ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dqkv,
+                           ffi::Result<ffi::AnyBuffer> delta, bool causal, float scale) {
+  const char* op = "blujax_attention_qkv_bwd";
+  AttentionDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
+                                           scale, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
+  // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
+  const int64_t third = d.heads * d.head_dim * ffi::ByteWidth(q.element_type());
+  char* base = static_cast<char*>(dqkv->untyped_data());
+  return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, base, base + third,
+                          base + 2 * third, 3 * d.heads * d.head_dim, &*delta, d, causal, scale);
 }
 
 }  // namespace
@@ -242,7 +273,22 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Attr<bool>("causal")
                            .Attr<float>("scale"));
 
+XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // q [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // v [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // out [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // lse [B, H, T]
+                           .Arg<ffi::AnyBuffer>()   // dout [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // dlse [B, H, T], cotangent of lse
+                           .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]
+                           .Ret<ffi::AnyBuffer>()   // delta [B, H, T]: rowsum(dout out) - dlse
+                           .Attr<bool>("causal")
+                           .Attr<float>("scale"));
+
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
 BLUJAX_REGISTER(blujax_attention_bwd, kAttentionBwd);
+BLUJAX_REGISTER(blujax_attention_qkv_bwd, kAttentionQkvBwd);
 
 }  // namespace blujax

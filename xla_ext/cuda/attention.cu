@@ -18,6 +18,9 @@
 //                 dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
 //             (3) one CTA per 128 query rows loops over key tiles: dQ += dS K.
 //             Each output element is written by one CTA: deterministic, no atomics.
+//             blujax_attention_qkv_bwd writes dq, dk, dv as the thirds of one [B, T, 3, H, D]
+//             tensor (rows 3 * H * D apart, Geometry::grad_stride): the gradient of a fused
+//             QKV projection, with no concatenation left for XLA to do.
 // On Hopper (compute capability 9.0, the module built for sm_90a) the bfloat16 kernels are
 // instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
 // warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
@@ -376,6 +379,7 @@ Geometry MakeGeometry(const AttentionDims& d, bool causal, float scale) {
   g.causal = causal;
   g.scale = scale;
   g.scale_log2 = scale * kLog2e;
+  g.grad_stride = d.heads * d.head_dim;
   return g;
 }
 
@@ -403,26 +407,14 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   return result;
 }
 
-ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                        ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, bool causal, float scale) {
-  const char* op = "blujax_attention_bwd";
-  AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
+// Launches the backward once its buffers are checked; dq, dk, dv rows are g.grad_stride apart.
+ffi::Error AttentionBwdImpl(const char* op, cudaStream_t stream, int32_t device,
+                            const AttentionDims& d, const Geometry& g, ffi::DataType type,
+                            const BwdBuffers& b) {
   BLUJAX_RETURN_IF_ERROR(
-      CheckAttentionBwdBuffers(op, q, k, v, out, lse, dout, dlse, *dq, *dk, *dv, *delta, d));
-  BLUJAX_RETURN_IF_ERROR(CheckGpuLimits(
-      op, d, {q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
-              dout.untyped_data(), dq->untyped_data(), dk->untyped_data(), dv->untyped_data()}));
+      CheckGpuLimits(op, d, {b.q, b.k, b.v, b.out, b.dout, b.dq, b.dk, b.dv}));
   if (d.batch * d.heads == 0) return ffi::Error::Success();
-  const Geometry g = MakeGeometry(d, causal, scale);
-  BwdBuffers b{q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
-               dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
-               static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
-               dk->untyped_data(), dv->untyped_data(), static_cast<float*>(delta->untyped_data())};
-  const bool is_bf16 = q.element_type() == ffi::DataType::BF16;
+  const bool is_bf16 = type == ffi::DataType::BF16;
   ffi::Error result = ffi::Error::Success();
   WithHeadDim(d.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
@@ -434,6 +426,46 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
     }
   });
   return result;
+}
+
+ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> delta, bool causal, float scale) {
+  const char* op = "blujax_attention_bwd";
+  AttentionDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
+                                           scale, /*allow_f64=*/false, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
+  BwdBuffers b{q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
+               dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
+               static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
+               dk->untyped_data(), dv->untyped_data(), static_cast<float*>(delta->untyped_data())};
+  return AttentionBwdImpl(op, stream, device, d, MakeGeometry(d, causal, scale),
+                          q.element_type(), b);
+}
+
+ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                           ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                           ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
+                           bool causal, float scale) {
+  const char* op = "blujax_attention_qkv_bwd";
+  AttentionDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
+                                           scale, /*allow_f64=*/false, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
+  // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
+  Geometry g = MakeGeometry(d, causal, scale);
+  g.grad_stride = 3 * d.heads * d.head_dim;
+  const int64_t third = d.heads * d.head_dim * ffi::ByteWidth(q.element_type());
+  char* base = static_cast<char*>(dqkv->untyped_data());
+  BwdBuffers b{q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
+               dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
+               static_cast<const float*>(dlse.untyped_data()), base, base + third,
+               base + 2 * third, static_cast<float*>(delta->untyped_data())};
+  return AttentionBwdImpl(op, stream, device, d, g, q.element_type(), b);
 }
 
 }  // namespace
@@ -470,7 +502,25 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Attr<float>("scale"),
                        kGraphSafe);
 
+XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // q [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // v [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // out [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // lse [B, H, T]
+                           .Arg<ffi::AnyBuffer>()   // dout [B, T, H, D]
+                           .Arg<ffi::AnyBuffer>()   // dlse [B, H, T], cotangent of lse
+                           .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]: dq, dk, dv
+                           .Ret<ffi::AnyBuffer>()   // delta [B, H, T] f32, scratch
+                           .Attr<bool>("causal")
+                           .Attr<float>("scale"),
+                       kGraphSafe);
+
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
 BLUJAX_REGISTER(blujax_attention_bwd, kAttentionBwd);
+BLUJAX_REGISTER(blujax_attention_qkv_bwd, kAttentionQkvBwd);
 
 }  // namespace blujax

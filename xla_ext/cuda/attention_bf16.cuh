@@ -391,12 +391,12 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     }
   }
   __syncwarp();
-  const int64_t kv_off = HeadOffset<D>(bh, g.tk, g.heads);
+  const int64_t grad_off = GradOffset<D>(bh, g.tk, g);
 #pragma unroll
   for (int i = 0; i < 16 * KC / 32; ++i) {
     const int c = lane + 32 * i, row = warp * 16 + c / KC, ch = c % KC;
     if (k0 + row < g.tk) {
-      const int64_t at = kv_off + int64_t(k0 + row) * stride + ch * 8;
+      const int64_t at = grad_off + int64_t(k0 + row) * g.grad_stride + ch * 8;
       *reinterpret_cast<uint4*>(dk + at) = *reinterpret_cast<const uint4*>(sK + Swz<KC>(row, ch));
       *reinterpret_cast<uint4*>(dv + at) = *reinterpret_cast<const uint4*>(sV + Swz<KC>(row, ch));
     }
@@ -546,11 +546,12 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     }
   }
   __syncwarp();
+  const int64_t grad_off = GradOffset<D>(bh, g.tq, g);
 #pragma unroll
   for (int i = 0; i < 16 * MT * KC / 32; ++i) {
     const int c = lane + 32 * i, row = wrow + c / KC, ch = c % KC;
     if (q0 + row < g.tq)
-      *reinterpret_cast<uint4*>(dq + q_off + int64_t(q0 + row) * stride + ch * 8) =
+      *reinterpret_cast<uint4*>(dq + grad_off + int64_t(q0 + row) * g.grad_stride + ch * 8) =
           *reinterpret_cast<const uint4*>(sQ + Swz<KC>(row, ch));
   }
 }

@@ -28,6 +28,9 @@ struct Geometry {
   bool causal = false;
   float scale = 0.f;       // applied to dQ and dK at the end
   float scale_log2 = 0.f;  // scale * log2(e): scores in log2 units for exp2f
+  // Elements from one token's row of dq, dk, dv to the next: H * D, or 3 * H * D when the
+  // three are written into one [B, T, 3, H, D] gradient of a fused QKV projection.
+  int64_t grad_stride = 0;
 };
 
 // Offset of row 0 of (batch, head) bh in a [B, T, H, D] tensor.
@@ -35,6 +38,14 @@ template <int D>
 __device__ __forceinline__ int64_t HeadOffset(int64_t bh, int t_len, int heads) {
   const int64_t b = bh / heads, h = bh % heads;
   return (b * t_len * heads + h) * D;
+}
+
+// Offset of row 0 of (batch, head) bh in a gradient output (dq, dk or dv): rows are
+// g.grad_stride apart.
+template <int D>
+__device__ __forceinline__ int64_t GradOffset(int64_t bh, int t_len, const Geometry& g) {
+  const int64_t b = bh / g.heads, h = bh % g.heads;
+  return b * t_len * g.grad_stride + h * D;
 }
 
 // This CTA's (tile, batch*head). Tiles vary fastest; `reverse` issues the last tile first.

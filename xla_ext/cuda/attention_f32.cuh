@@ -209,13 +209,16 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
     }
   }
   if (valid) {
-    StoreRow<D>(dk + kv_off, dk_acc, c, g.scale);
-    StoreRow<D>(dv + kv_off, dv_acc, c, 1.f);
+    const int64_t grad_off = GradOffset<D>(bh, g.tk, g) + int64_t(key) * g.grad_stride;
+    StoreRow<D>(dk + grad_off, dk_acc, c, g.scale);
+    StoreRow<D>(dv + grad_off, dv_acc, c, 1.f);
   }
 }
 
+// Four CTAs a multiprocessor, as its ~100 registers allow anyway: without the hint ptxas
+// squeezes it into 96 and spills.
 template <int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
 AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
                        const float* __restrict__ v, const float* __restrict__ dout,
                        const float* __restrict__ lse, const float* __restrict__ delta,
@@ -233,6 +236,7 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
   const bool valid = row < g.tq;
   const int64_t stride = int64_t(g.heads) * D;
   const int64_t q_off = HeadOffset<D>(bh, g.tq, g.heads) + int64_t(row) * stride;
+  float* const dq_row = dq + GradOffset<D>(bh, g.tq, g) + int64_t(row) * g.grad_stride;
   const float* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
   const float* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
   const int n_kt = KeyTiles(g, q0, RB, BN);
@@ -268,7 +272,7 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
       AxpyRow<D>(dq_acc, p * (dp - dl), cK + jj * D, c);
     }
   }
-  if (valid) StoreRow<D>(dq + q_off, dq_acc, c, g.scale);
+  if (valid) StoreRow<D>(dq_row, dq_acc, c, g.scale);
 }
 
 }  // namespace

@@ -202,9 +202,9 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   StageRows<BN, D>(sK, dk_acc, wrow, scale, lane);
   StageRows<BN, D>(sV, dv_acc, wrow, one, lane);
   __syncwarp();
-  const int64_t stride = int64_t(g.heads) * D, kv_off = HeadOffset<D>(bh, g.tk, g.heads);
-  StoreRows<BN, D>(dk + kv_off, sK, wrow, k0, g.tk, stride, lane);
-  StoreRows<BN, D>(dv + kv_off, sV, wrow, k0, g.tk, stride, lane);
+  const int64_t grad_off = GradOffset<D>(bh, g.tk, g);
+  StoreRows<BN, D>(dk + grad_off, sK, wrow, k0, g.tk, g.grad_stride, lane);
+  StoreRows<BN, D>(dv + grad_off, sV, wrow, k0, g.tk, g.grad_stride, lane);
 #endif  // BLUJAX_WGMMA
 }
 
@@ -343,8 +343,7 @@ AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* _
   const float scale[2] = {g.scale, g.scale};
   StageRows<BM, D>(sQ, dq_acc, wrow, scale, lane);
   __syncwarp();
-  StoreRows<BM, D>(dq + HeadOffset<D>(bh, g.tq, g.heads), sQ, wrow, q0, g.tq,
-                   int64_t(g.heads) * D, lane);
+  StoreRows<BM, D>(dq + GradOffset<D>(bh, g.tq, g), sQ, wrow, q0, g.tq, g.grad_stride, lane);
 #endif  // BLUJAX_WGMMA
 }
 
