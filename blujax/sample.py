@@ -90,13 +90,13 @@ def _generate_cached(params, prompt, key, *, config, new, temperature, top_k, op
 
     # Prefill: the prompt through every layer, keeping each layer's k and v.
     def prefill(carry, layer):
-        s, d, (k, v) = block(layer, *carry, attend=partial(gpt2._attend, ops))
+        *carry, (k, v) = block(layer, *carry, attend=partial(gpt2._attend, ops))
         pad = ((0, 0), (0, total - P), (0, 0), (0, 0))
-        return (s, d), (jnp.pad(k, pad), jnp.pad(v, pad))
+        return tuple(carry), (jnp.pad(k, pad), jnp.pad(v, pad))
 
     tok, pos = gpt2._embed(p, prompt)
-    (s, d), cache = jax.lax.scan(prefill, (pos, tok), p["blocks"])
-    logits = gpt2._head(p, s[:, -1:], d[:, -1:], ops)[:, 0]
+    (s, d, d_bias), cache = jax.lax.scan(prefill, gpt2.start(pos, tok), p["blocks"])
+    logits = gpt2._head(p, s[:, -1:], d[:, -1:], d_bias, ops)[:, 0]
 
     # Decode: one position at a time against the cache.
     def decode(carry, i):
@@ -107,11 +107,11 @@ def _generate_cached(params, prompt, key, *, config, new, temperature, top_k, op
 
         def layer_step(carry, xs):
             layer, ck, cv = xs
-            s, d, kv = block(layer, *carry, attend=partial(_attend_cached, ck, cv, at))
-            return (s, d), kv
+            *carry, kv = block(layer, *carry, attend=partial(_attend_cached, ck, cv, at))
+            return tuple(carry), kv
 
-        (s, d), cache = jax.lax.scan(layer_step, (pos, x), (p["blocks"], *cache))
-        return (gpt2._head(p, s, d, ops)[:, 0], cache), tok
+        carry, cache = jax.lax.scan(layer_step, gpt2.start(pos, x), (p["blocks"], *cache))
+        return (gpt2._head(p, *carry, ops)[:, 0], cache), tok
 
     _, toks = jax.lax.scan(decode, (logits, cache), jnp.arange(new))
     return toks.T

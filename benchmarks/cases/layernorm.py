@@ -1,4 +1,6 @@
-"""LayerNorm forward and backward: ours vs the jnp spec compiled by XLA."""
+"""LayerNorm forward and backward: ours vs the jnp spec compiled by XLA. Also the residual add
+with the preceding matmul's bias folded in (add_layer_norm's x_bias, GPT-2's width), beside
+"ours_unfused": XLA adds the bias (and sums its gradient) around our add_layer_norm."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,12 @@ from blujax.kernels import xla
 
 SHAPES = [(16384, 768), (32768, 768), (16384, 3072), (16384, 4096)]
 IMPLS = {"ours": kernels.layer_norm, "xla": xla.layer_norm}
+ADD_BIAS_SHAPES = [(16384, 768), (32768, 768)]
+ADD_BIAS_IMPLS = {
+    "ours": lambda x, xb, r, w, b: kernels.add_layer_norm(x, r, w, b, x_bias=xb),
+    "xla": lambda x, xb, r, w, b: xla.add_layer_norm(x, r, w, b, x_bias=xb),
+    "ours_unfused": lambda x, xb, r, w, b: kernels.add_layer_norm(x + xb, r, w, b),
+}
 
 
 def _inputs(key, rows, c, dtype):
@@ -39,4 +47,33 @@ def cases(quick: bool = False):
             bwd_bytes = 3 * rows * c * s + 3 * c * s + 2 * rows * 4
             out.append(Case("layer_norm", "fwd", name, dt, fwd_bytes, make_fwd))
             out.append(Case("layer_norm", "bwd", name, dt, bwd_bytes, make_bwd))
+        for rows, c in ADD_BIAS_SHAPES[:1] if quick else ADD_BIAS_SHAPES:
+            out += _add_bias_cases(rows, c, dtype)
     return out
+
+
+def _add_bias_cases(rows, c, dtype):
+    s = itemsize(dtype)
+
+    def inputs(key):
+        kx, kr, kp, kd, ks = jax.random.split(key, 5)
+        x, w, b, dy = _inputs(kx, rows, c, dtype)
+        xb = normal(kp, (c,), dtype, 0.1)
+        return (x, xb, normal(kr, (rows, c), dtype), w, b), (dy, normal(ks, (rows, c), dtype))
+
+    def make_fwd(impl, key):
+        return ADD_BIAS_IMPLS[impl], inputs(key)[0]
+
+    def make_bwd(impl, key):
+        args, cts = inputs(key)
+        _, vjp = jax.vjp(ADD_BIAS_IMPLS[impl], *args)
+        return (lambda vjp, cts: vjp(cts)), (vjp, cts)
+
+    name, dt, impls = f"{rows}x{c}", jnp.dtype(dtype).name, tuple(ADD_BIAS_IMPLS)
+    # forward: read x, residual, x_bias, weight, bias; write y, sum, mean, rstd
+    fwd_bytes = 4 * rows * c * s + 3 * c * s + 2 * rows * 4
+    # backward: read dy, dsum, sum, weight, mean, rstd; write dx (= dresidual), dweight, dbias,
+    # dx_bias
+    bwd_bytes = 4 * rows * c * s + 4 * c * s + 2 * rows * 4
+    return [Case("add_bias_layer_norm", "fwd", name, dt, fwd_bytes, make_fwd, impls=impls),
+            Case("add_bias_layer_norm", "bwd", name, dt, bwd_bytes, make_bwd, impls=impls)]

@@ -3,7 +3,9 @@
 Kernels: xla_ext/cpu/layernorm.cc (float32, float64, bfloat16) and xla_ext/cuda/layernorm.cu
 (float32, bfloat16); statistics are float32 (float64 for float64 input). The forward saves
 mean and rstd; the backward computes dx, dweight and dbias in one pass over dy and x.
-The jnp specification is `blujax.kernels.xla.layer_norm`.
+The residual-add variant can also fold in the bias of the matmul before it (`x_bias`), whose
+gradient the backward then sums in the same pass. The jnp specification is
+`blujax.kernels.xla.layer_norm` / `add_layer_norm`.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ def layer_norm(x, weight, bias, *, eps: float = 1e-5):
     return _layer_norm(x, weight, bias, float(eps))
 
 
-def add_layer_norm(x, residual, weight, bias, *, eps: float = 1e-5):
+def add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5):
     """The transformer block's `s = x + residual; layer_norm(s)` in one pass.
 
     Returns (layer_norm(s), s); s is rounded to x's dtype before it is normalised.
+
+    x_bias: optional [C] of x's dtype, the bias of the matmul that produced x (the attention
+    or MLP output projection), folded in here rather than added by XLA in a pass of its own:
+    s = x + x_bias + residual, summed in float32 (float64 for float64) and rounded once. Its
+    gradient (the column sums of s's gradient) comes out of the same backward pass.
     """
     _check("add_layer_norm", x, weight, bias, eps)
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -47,9 +54,14 @@ def add_layer_norm(x, residual, weight, bias, *, eps: float = 1e-5):
             f"add_layer_norm: residual must match x ({x.dtype}{list(x.shape)}), "
             f"got {residual.dtype}{list(residual.shape)}"
         )
+    if x_bias is not None:
+        check_feature_param("add_layer_norm", "x_bias", x_bias, x)
     require_kernels("add_layer_norm")
-    x, residual, weight, bias = match_vma(x, residual, weight, bias)
-    return _add_layer_norm(x, residual, weight, bias, float(eps))
+    if x_bias is None:
+        x, residual, weight, bias = match_vma(x, residual, weight, bias)
+        return _add_layer_norm(x, residual, weight, bias, float(eps))
+    x, x_bias, residual, weight, bias = match_vma(x, x_bias, residual, weight, bias)
+    return _add_bias_layer_norm(x, x_bias, residual, weight, bias, float(eps))
 
 
 def _check(op, x, weight, bias, eps):
@@ -71,6 +83,7 @@ def _stat_dtype(dtype):
 
 
 def _partials(x) -> int:
+    """P of the backward's [P, planes, C] workspace."""
     rows = math.prod(x.shape[:-1])
     return 1 if current_platform() == "cpu" else max(1, min(rows, _MAX_PARTIALS))
 
@@ -145,3 +158,43 @@ def _add_layer_norm_bwd(eps, res, cts):
 
 
 _add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
+
+
+# The add-bias variant: s = x + x_bias + residual. Its own targets, so the ones above (and their
+# kernels) stay as they are.
+
+def _add_bias_fwd_call(x, x_bias, residual, weight, bias, eps):
+    stats = result_type(x, x.shape[:-1], _stat_dtype(x.dtype))
+    return jax.ffi.ffi_call(
+        "blujax_add_bias_layer_norm_fwd",
+        (result_type(x), result_type(x), stats, stats),
+        vmap_method="expand_dims",
+    )(x, x_bias, residual, weight, bias, eps=np.float32(eps))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _add_bias_layer_norm(x, x_bias, residual, weight, bias, eps):
+    y, s, _, _ = _add_bias_fwd_call(x, x_bias, residual, weight, bias, eps)
+    return y, s
+
+
+def _add_bias_layer_norm_fwd(x, x_bias, residual, weight, bias, eps):
+    y, s, mean, rstd = _add_bias_fwd_call(x, x_bias, residual, weight, bias, eps)
+    return (y, s), (s, weight, mean, rstd)
+
+
+def _add_bias_layer_norm_bwd(eps, res, cts):
+    s, weight, mean, rstd = res
+    dy, ds = cts
+    # A third partial row per block: dx_bias beside dweight and dbias.
+    ws = result_type(s, (_partials(s), 3, s.shape[-1]), jnp.float32)
+    dx, dw, db, dxb, _ = jax.ffi.ffi_call(
+        "blujax_add_bias_layer_norm_bwd",
+        (result_type(s), result_type(weight), result_type(weight), result_type(weight), ws),
+        vmap_method="sequential",
+    )(dy, ds, s, weight, mean, rstd)
+    # The sum's gradient flows to x and residual; x_bias gets its column sums.
+    return dx, dxb, dx, dw, db
+
+
+_add_bias_layer_norm.defvjp(_add_bias_layer_norm_fwd, _add_bias_layer_norm_bwd)

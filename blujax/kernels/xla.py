@@ -28,9 +28,17 @@ def layer_norm(x, weight, bias, *, eps: float = 1e-5):
     return y.astype(x.dtype)
 
 
-def add_layer_norm(x, residual, weight, bias, *, eps: float = 1e-5):
-    """(layer_norm(x + residual), x + residual)."""
-    s = x + residual
+def add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5):
+    """(layer_norm(s), s) with s = x + residual.
+
+    x_bias (optional, [C]): the bias of the matmul that produced x, folded in:
+    s = x + x_bias + residual, summed in the compute dtype and rounded to x's dtype once.
+    """
+    if x_bias is None:
+        s = x + residual
+    else:
+        ct = _compute_dtype(x.dtype)
+        s = (x.astype(ct) + x_bias.astype(ct) + residual.astype(ct)).astype(x.dtype)
     return layer_norm(s, weight, bias, eps=eps), s
 
 

@@ -25,6 +25,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from blujax.kernels._util import match_vma
+
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
@@ -160,14 +162,14 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
     block = partial(_block, n_head=config.n_head, ops=ops, attend=attend, par=par)
 
     def step(carry, layer):
-        s, d, _ = block(cast(par.share(layer), dtype), *carry)
-        return (s, d), None
+        *carry, _ = block(cast(par.share(layer), dtype), *carry)
+        return tuple(carry), None
 
     if remat:
         step = jax.checkpoint(step)
     if scan_layers is None:
         scan_layers = jax.default_backend() != "gpu"
-    carry = par.embed(p, tokens)
+    carry = start(*par.embed(p, tokens))
     if scan_layers:
         carry, _ = jax.lax.scan(step, carry, params["blocks"])
     else:
@@ -226,8 +228,15 @@ class _OneDevice:
 ONE_DEVICE = _OneDevice()
 
 
-def _head(p, s, d, ops, par=ONE_DEVICE):
-    h, _ = ops.add_layer_norm(d, s, p["ln_f"]["w"], p["ln_f"]["b"])
+def start(s, d):
+    """The carry of the blocks from the embeddings: (s, d, d_bias) as `_block` takes it, with a
+    zero bias for d (a fixed structure, as lax.scan needs; inside shard_map typed as varying
+    like d, as the biases the blocks pass on are)."""
+    return s, d, match_vma(jnp.zeros(d.shape[-1], d.dtype), d)[0]
+
+
+def _head(p, s, d, d_bias, ops, par=ONE_DEVICE):
+    h, _ = ops.add_layer_norm(d, s, p["ln_f"]["w"], p["ln_f"]["b"], x_bias=d_bias)
     return par.gather_matmul(h, p["wte"].T)
 
 
@@ -236,20 +245,22 @@ def _attend(ops, qkv):
     return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
 
 
-def _block(layer, s, d, *, n_head, ops, attend, par=ONE_DEVICE):
-    """One transformer block. s: the residual stream so far; d: the previous sublayer's output,
-    still to be added to it. Returns the new (s, d) and what `attend` returned beside the
-    attention output (the layer's k, v for a KV cache). Under tensor parallelism `par` gathers
+def _block(layer, s, d, d_bias, *, n_head, ops, attend, par=ONE_DEVICE):
+    """One transformer block. s: the residual stream so far; d + d_bias: the previous sublayer's
+    output, still to be added to it (each output projection's bias is added in the LayerNorm
+    after it, which saves a pass over the activations). Returns the new (s, d, d_bias) and what
+    `attend` returned beside the attention output (the layer's k, v for a KV cache). Under tensor parallelism `par` gathers
     the sequence into each column-parallel product and reduces out of each row-parallel one;
     this device then holds n_head / tensor of the heads."""
     C = s.shape[-1]
-    h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"])
+    h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"], x_bias=d_bias)
     qkv = par.gather_matmul(h, layer["attn"]["w"]) + layer["attn"]["b"]
     B, T, _ = qkv.shape
     qkv = qkv.reshape(B, T, 3, -1, C // n_head)
     a, kv = attend(qkv)
-    a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"]) + layer["attn_proj"]["b"]
-    h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"])
+    a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"])
+    h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"],
+                              x_bias=layer["attn_proj"]["b"])
     f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])
-    m = par.matmul_reduce(f, layer["mlp_proj"]["w"]) + layer["mlp_proj"]["b"]
-    return s, m, kv
+    m = par.matmul_reduce(f, layer["mlp_proj"]["w"])
+    return s, m, match_vma(layer["mlp_proj"]["b"], m)[0], kv

@@ -28,6 +28,14 @@ def _dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None 
                                         implementation=impl)
 
 
+def _add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5):
+    # As plain JAX writes a block: the projection's bias added to its output, then the
+    # residual, each in x's dtype (the spec instead rounds the three-way sum once).
+    if x_bias is not None:
+        x = x + x_bias
+    return xla.add_layer_norm(x, residual, weight, bias, eps=eps)
+
+
 def _dot_product_attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
     return _dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
                                   scale=scale)
@@ -35,7 +43,7 @@ def _dot_product_attention_qkv(qkv, *, causal: bool = True, scale: float | None 
 
 XLA = types.SimpleNamespace(
     layer_norm=xla.layer_norm,
-    add_layer_norm=xla.add_layer_norm,
+    add_layer_norm=_add_layer_norm,
     gelu=xla.gelu,
     softmax_cross_entropy=xla.softmax_cross_entropy,
     softmax_cross_entropy_mean=xla.softmax_cross_entropy_mean,

@@ -5,12 +5,18 @@
 // blujax_layer_norm_bwd      (dy, x, weight, mean, rstd)     -> (dx, dweight, dbias, workspace)
 // blujax_add_layer_norm_bwd  (dy, dsum, sum, weight, mean, rstd)
 //                                                            -> (dx, dweight, dbias, workspace)
+// blujax_add_bias_layer_norm_fwd  (x, x_bias, residual, weight, bias) -> (y, sum, mean, rstd)
+// blujax_add_bias_layer_norm_bwd  (dy, dsum, sum, weight, mean, rstd)
+//                                               -> (dx, dweight, dbias, dx_bias, workspace)
 // x is [..., C] and normalised over its last axis; weight and bias hold C elements (leading
 // size-1 axes allowed, which is what vmap's "expand_dims" produces); mean and rstd hold one
 // value per row, float32 (float64 for float64 x). The add variant normalises sum = x + residual
 // (rounded to x's dtype) and returns sum too. workspace is float32 [P, 2, C]: the CUDA backward
 // writes per-block partial dweight/dbias there before a small reduction over blocks (scratch as
 // an output keeps the handler CUDA-graph safe); the CPU backward does not need it.
+// The add-bias variant folds in the preceding matmul's bias: sum = x + x_bias + residual (x_bias
+// [C] broadcast over rows, float32 arithmetic, rounded once), and its backward also returns
+// dx_bias = the column sum of dsum + dx, so its workspace is [P, 3, C].
 #pragma once
 
 #include <cmath>
@@ -58,15 +64,15 @@ inline ffi::Error CheckEps(const char* op, float eps) {
   return ffi::Error::Success();
 }
 
-// Returns the number of partial rows P the workspace holds.
+// Returns the number of partial rows P the workspace [P, planes, C] holds.
 inline ffi::Error CheckLayerNormWorkspace(const char* op, const ffi::AnyBuffer& ws, int64_t cols,
-                                          int64_t* partials) {
+                                          int64_t* partials, int64_t planes = 2) {
   BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "workspace", ws, ffi::DataType::F32));
   int64_t n = static_cast<int64_t>(ws.element_count());
-  if (n < 2 * cols || n % (2 * cols) != 0)
-    return InvalidArgument(op, ": workspace must hold P x 2 x ", cols, " float32, got shape ",
-                           ShapeString(ws));
-  *partials = n / (2 * cols);
+  if (n < planes * cols || n % (planes * cols) != 0)
+    return InvalidArgument(op, ": workspace must hold P x ", planes, " x ", cols,
+                           " float32, got shape ", ShapeString(ws));
+  *partials = n / (planes * cols);
   return ffi::Error::Success();
 }
 

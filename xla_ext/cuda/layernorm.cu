@@ -10,6 +10,11 @@
 // kernel sums those. Rows whose width or alignment does not allow 16-byte packs, or wider than
 // the register budget, take a plain block-per-row path that re-reads the row from memory
 // (correct for any shape, not tuned).
+//
+// The add-bias variant (kXBias) folds in the preceding matmul's bias: sum = x + x_bias + residual,
+// and its backward accumulates dx_bias (the column sums of dx = dsum + the LayerNorm's own dx) as
+// a third partial row beside dweight and dbias. It is a template flag, so the kernels of the other
+// variants compile exactly as they would without it.
 
 #include <algorithm>
 
@@ -29,12 +34,13 @@ template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGro
 
 // ----------------------------------------------------------------------------------------------
 // Forward, register path: one row per group of kGroup threads, kVecs packs per thread.
-template <typename T, int kGroup, int kVecs>
+template <typename T, int kGroup, int kVecs, bool kXBias>
 __global__ void __launch_bounds__(BlockFor<kGroup>())
-LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
-                   const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
-                   T* __restrict__ sum, float* __restrict__ mean, float* __restrict__ rstd,
-                   int64_t rows, int cols, float eps) {
+LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ x_bias,
+                   const T* __restrict__ residual, const T* __restrict__ weight,
+                   const T* __restrict__ bias, T* __restrict__ y, T* __restrict__ sum,
+                   float* __restrict__ mean, float* __restrict__ rstd, int64_t rows, int cols,
+                   float eps) {
   constexpr int kPack = Pack<T>::kSize;
   constexpr int kGroups = BlockFor<kGroup>() / kGroup;
   __shared__ float red[3 * BlockFor<kGroup>() / 32];
@@ -55,10 +61,18 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
         Pack<T> a = LoadPackStream(x + off);
-        if (residual) {
+        if (kXBias || residual) {
           Pack<T> r = LoadPackStream(residual + off);
+          if constexpr (kXBias) {
+            const Pack<T> xb = LoadPack(x_bias + p * kPack);
 #pragma unroll
-          for (int k = 0; k < kPack; ++k) a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(r.v[k]));
+            for (int k = 0; k < kPack; ++k)
+              a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(xb.v[k]) + ToFloat(r.v[k]));
+          } else {
+#pragma unroll
+            for (int k = 0; k < kPack; ++k)
+              a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(r.v[k]));
+          }
           StorePackStream(sum + off, a);  // rounded to T: the statistics are those of the sum returned
         }
 #pragma unroll
@@ -100,9 +114,9 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
 }
 
 // Forward, any shape: a block per row, three passes over the row in memory.
-template <typename T>
+template <typename T, bool kXBias>
 __global__ void __launch_bounds__(kBlock)
-LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
+LayerNormFwdAnyKernel(const T* x, const T* __restrict__ x_bias, const T* __restrict__ residual,
                       const T* __restrict__ weight, const T* __restrict__ bias, T* __restrict__ y,
                       T* sum, float* __restrict__ mean, float* __restrict__ rstd,
                       int64_t rows, int cols, float eps) {
@@ -110,14 +124,16 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ residual,
   const float inv_cols = 1.f / cols;
   // Pass 2 and 3 read the row from `sum` for the add variant: each thread reads back only the
   // elements it wrote itself, so no barrier is needed for them.
-  const T* src = residual ? sum : x;
+  const T* src = kXBias || residual ? sum : x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t off = row * cols;
     float s = 0.f, unused = 0.f;
     for (int c = threadIdx.x; c < cols; c += kBlock) {
       T a = x[off + c];
-      if (residual) {
-        a = FromFloat<T>(ToFloat(a) + ToFloat(residual[off + c]));
+      if (kXBias || residual) {
+        float v = ToFloat(a);
+        if constexpr (kXBias) v += ToFloat(x_bias[c]);
+        a = FromFloat<T>(v + ToFloat(residual[off + c]));
         sum[off + c] = a;
       }
       s += ToFloat(a);
@@ -156,8 +172,9 @@ template <typename T> __host__ __device__ constexpr int BwdVecs() {
 // Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
 // x packs in registers. A thread's columns are the same for every row, so it adds its share of
 // dweight/dbias into its group's own slice of shared memory without atomics; at the end the
-// block sums its groups' slices into its partial row ws[blockIdx.x].
-template <typename T, int kGroup, int kVecs, int kThreads>
+// block sums its groups' slices into its partial row ws[blockIdx.x]. With kXBias a third slice
+// takes dx_bias.
+template <typename T, int kGroup, int kVecs, int kThreads, bool kXBias>
 __global__ void __launch_bounds__(kThreads)
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
@@ -165,24 +182,29 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
                    int64_t rows, int cols) {
   constexpr int kPack = Pack<T>::kSize;
   constexpr int kGroups = kThreads / kGroup;
+  constexpr int kPlanes = kXBias ? 3 : 2;
   __shared__ float red[2 * kThreads / 32];
-  // Per group: dweight then dbias, each stored as [chunk][pack][4] with chunk = a float4 of a
-  // pack (bfloat16 packs hold two), so the float4s a warp updates together are consecutive
-  // and free of bank conflicts.
+  // Per group: dweight then dbias (then dx_bias), each stored as [chunk][pack][4] with chunk =
+  // a float4 of a pack (bfloat16 packs hold two), so the float4s a warp updates together are
+  // consecutive and free of bank conflicts.
   extern __shared__ float4 acc4[];
   constexpr int kChunks = kPack / 4;
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
   const float inv_cols = 1.f / cols;
-  float4* dw_acc = acc4 + int64_t(group) * 2 * (cols / 4);
+  float4* dw_acc = acc4 + int64_t(group) * kPlanes * (cols / 4);
   float4* db_acc = dw_acc + cols / 4;
+  float4* dxb_acc = db_acc + cols / 4;  // kXBias only
   // Each thread zeroes exactly the float4s it accumulates, so no barrier is needed yet.
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int p = lane + i * kGroup;
     if (p < packs) {
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) dw_acc[c * packs + p] = db_acc[c * packs + p] = float4{};
+      for (int c = 0; c < kChunks; ++c) {
+        dw_acc[c * packs + p] = db_acc[c * packs + p] = float4{};
+        if constexpr (kXBias) dxb_acc[c * packs + p] = float4{};
+      }
     }
   }
 
@@ -224,17 +246,18 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         const int64_t off = row * cols + int64_t(p) * kPack;
         const Pack<T> w = LoadPack(weight + p * kPack);
         Pack<T> ds;
-        if (dsum) ds = LoadPackStream(dsum + off);
+        if (kXBias || dsum) ds = LoadPackStream(dsum + off);
         Pack<T> out;
-        float dwv[kPack], dbv[kPack];
+        float dwv[kPack], dbv[kPack], dxbv[kPack];
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
           const float dd = ToFloat(d[i].v[k]), xhat = (ToFloat(a[i].v[k]) - m) * rs;
           float o = rs * (dd * ToFloat(w.v[k]) - mg - xhat * mgx);
-          if (dsum) o += ToFloat(ds.v[k]);
+          if (kXBias || dsum) o += ToFloat(ds.v[k]);
           out.v[k] = FromFloat<T>(o);
           dwv[k] = dd * xhat;
           dbv[k] = dd;
+          if constexpr (kXBias) dxbv[k] = o;  // before rounding, as dweight and dbias
         }
         StorePackStream(dx + off, out);
 #pragma unroll
@@ -245,6 +268,11 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
                       w4.w + dwv[4 * c + 3]};
           b4 = float4{b4.x + dbv[4 * c], b4.y + dbv[4 * c + 1], b4.z + dbv[4 * c + 2],
                       b4.w + dbv[4 * c + 3]};
+          if constexpr (kXBias) {
+            float4& x4 = dxb_acc[c * packs + p];
+            x4 = float4{x4.x + dxbv[4 * c], x4.y + dxbv[4 * c + 1], x4.z + dxbv[4 * c + 2],
+                        x4.w + dxbv[4 * c + 3]};
+          }
         }
       }
     }
@@ -252,31 +280,33 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
 
   __syncthreads();
   const float* acc = reinterpret_cast<const float*>(acc4);
-  float* part = ws + int64_t(blockIdx.x) * 2 * cols;
-  for (int j = threadIdx.x; j < 2 * cols; j += kThreads) {
-    // Column col of dweight (j < cols) or dbias sits at [chunk][pack][lane of float4].
-    const int which = j < cols ? 0 : 1, col = j - which * cols;
+  float* part = ws + int64_t(blockIdx.x) * kPlanes * cols;
+  for (int j = threadIdx.x; j < kPlanes * cols; j += kThreads) {
+    // Column col of dweight (j < cols), dbias or dx_bias sits at [chunk][pack][lane of float4].
+    const int which = j < cols ? 0 : (kXBias && j >= 2 * cols) ? 2 : 1, col = j - which * cols;
     const int p = col / kPack, r = col % kPack;
     const int at = which * cols + ((r / 4) * packs + p) * 4 + r % 4;
     float total = 0.f;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * 2 * cols + at];
+    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * kPlanes * cols + at];
     part[j] = total;
   }
 }
 
 // Backward, any shape: a block per row, two passes; column c of the block's partial row is
-// owned by thread c % kBlock, which accumulates it in place.
-template <typename T>
+// owned by thread c % kBlock, which accumulates it in place (the barrier in GroupSum2 orders
+// that after the zeroing, done by other threads).
+template <typename T, bool kXBias>
 __global__ void __launch_bounds__(kBlock)
 LayerNormBwdAnyKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
                       const T* __restrict__ x, const T* __restrict__ weight,
                       const float* __restrict__ mean, const float* __restrict__ rstd,
                       T* __restrict__ dx, float* __restrict__ ws, int64_t rows, int cols) {
+  constexpr int kPlanes = kXBias ? 3 : 2;
   __shared__ float red[2 * kBlock / 32];
   const float inv_cols = 1.f / cols;
-  float* part = ws + int64_t(blockIdx.x) * 2 * cols;
-  for (int c = threadIdx.x; c < 2 * cols; c += kBlock) part[c] = 0.f;
+  float* part = ws + int64_t(blockIdx.x) * kPlanes * cols;
+  for (int c = threadIdx.x; c < kPlanes * cols; c += kBlock) part[c] = 0.f;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t off = row * cols;
     const float m = mean[row], rs = rstd[row];
@@ -291,27 +321,28 @@ LayerNormBwdAnyKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
     for (int c = threadIdx.x; c < cols; c += kBlock) {
       const float d = ToFloat(dy[off + c]), xhat = (ToFloat(x[off + c]) - m) * rs;
       float out = rs * (d * ToFloat(weight[c]) - mg - xhat * mgx);
-      if (dsum) out += ToFloat(dsum[off + c]);
+      if (kXBias || dsum) out += ToFloat(dsum[off + c]);
       dx[off + c] = FromFloat<T>(out);
       part[c] += d * xhat;
       part[cols + c] += d;
+      if constexpr (kXBias) part[2 * cols + c] += out;
     }
   }
 }
 
-// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c]. There are only
-// 2C / 32 blocks, so each thread keeps several independent loads in flight rather than waiting
-// on one partial row at a time.
+// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c] (and dx_bias from
+// ws[b, 2, c] when kPlanes is 3). There are only kPlanes * C / 32 blocks, so each thread keeps
+// several independent loads in flight rather than waiting on one partial row at a time.
 constexpr int kReduceX = 32, kReduceY = 32, kReduceUnroll = 8;
-template <typename T>
+template <typename T, int kPlanes>
 __global__ void __launch_bounds__(kReduceX * kReduceY)
 LayerNormReducePartials(const float* __restrict__ ws, int partials, int cols,
-                        T* __restrict__ dweight, T* __restrict__ dbias) {
+                        T* __restrict__ dweight, T* __restrict__ dbias, T* __restrict__ dx_bias) {
   __shared__ float tile[kReduceY][kReduceX + 1];
-  const int j = blockIdx.x * kReduceX + threadIdx.x;  // over 2 * cols
-  const int64_t stride = 2 * int64_t(cols);
+  const int j = blockIdx.x * kReduceX + threadIdx.x;  // over kPlanes * cols
+  const int64_t stride = kPlanes * int64_t(cols);
   float acc[kReduceUnroll] = {};
-  if (j < 2 * cols) {
+  if (j < kPlanes * cols) {
     int p = threadIdx.y;
     for (; p + (kReduceUnroll - 1) * kReduceY < partials; p += kReduceUnroll * kReduceY) {
 #pragma unroll
@@ -324,10 +355,11 @@ LayerNormReducePartials(const float* __restrict__ ws, int partials, int cols,
   for (int u = 0; u < kReduceUnroll; ++u) s += acc[u];
   tile[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y == 0 && j < 2 * cols) {
+  if (threadIdx.y == 0 && j < kPlanes * cols) {
     for (int r = 1; r < kReduceY; ++r) s += tile[r][threadIdx.x];
     if (j < cols) dweight[j] = FromFloat<T>(s);
-    else dbias[j - cols] = FromFloat<T>(s);
+    else if (kPlanes == 2 || j < 2 * cols) dbias[j - cols] = FromFloat<T>(s);
+    else dx_bias[j - 2 * cols] = FromFloat<T>(s);
   }
 }
 
@@ -365,14 +397,16 @@ void WithGroup(int group, F&& f) {
   }
 }
 
-template <typename T>
-ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void* residual,
-                     const void* weight, const void* bias, void* y, void* sum, float* mean,
-                     float* rstd, RowsCols rc, float eps) {
+// kXBias: x_bias is not null (nor residual, nor sum).
+template <typename T, bool kXBias>
+ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void* x_bias,
+                     const void* residual, const void* weight, const void* bias, void* y,
+                     void* sum, float* mean, float* rstd, RowsCols rc, float eps) {
   constexpr int kPack = Pack<T>::kSize, kVecs = kFwdFloats / kPack;
   const int cols = static_cast<int>(rc.cols);
   const bool packed = cols % kPack == 0 && Aligned16(x) && Aligned16(y) && Aligned16(weight) &&
-                      Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum)));
+                      Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum))) &&
+                      (!kXBias || Aligned16(x_bias));
   const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
   auto args = [&](auto kernel, int64_t blocks, int threads) {
     // As many blocks as fit on the device at once; each loops over its share of the rows. (A
@@ -380,28 +414,30 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
     // within 4% either way on an H100.)
     const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, 0);
     kernel<<<static_cast<unsigned>(std::min(blocks, resident)), threads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(weight),
-        static_cast<const T*>(bias), static_cast<T*>(y), static_cast<T*>(sum), mean, rstd,
-        rc.rows, cols, eps);
+        static_cast<const T*>(x), static_cast<const T*>(x_bias), static_cast<const T*>(residual),
+        static_cast<const T*>(weight), static_cast<const T*>(bias), static_cast<T*>(y),
+        static_cast<T*>(sum), mean, rstd, rc.rows, cols, eps);
   };
   if (group) {
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
-      args(LayerNormFwdKernel<T, kGroup, kVecs>, (rc.rows + kGroups - 1) / kGroups, kThreads);
+      args(LayerNormFwdKernel<T, kGroup, kVecs, kXBias>, (rc.rows + kGroups - 1) / kGroups,
+           kThreads);
     });
   } else {
-    args(LayerNormFwdAnyKernel<T>, rc.rows, kBlock);
+    args(LayerNormFwdAnyKernel<T, kXBias>, rc.rows, kBlock);
   }
   return ffi::Error::Success();
 }
 
-template <typename T>
-ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void* dsum,
-                     const void* x, const void* weight, const float* mean, const float* rstd,
-                     void* dx, void* dweight, void* dbias, float* ws, int64_t partials,
-                     RowsCols rc) {
-  constexpr int kPack = Pack<T>::kSize;
+// kXBias: dsum and dx_bias are not null, and ws holds [partials, 3, C].
+template <typename T, bool kXBias>
+ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void* dy,
+                     const void* dsum, const void* x, const void* weight, const float* mean,
+                     const float* rstd, void* dx, void* dweight, void* dbias, void* dx_bias,
+                     float* ws, int64_t partials, RowsCols rc) {
+  constexpr int kPack = Pack<T>::kSize, kPlanes = kXBias ? 3 : 2;
   const int cols = static_cast<int>(rc.cols);
   const bool packed = cols % kPack == 0 && Aligned16(dy) && Aligned16(x) && Aligned16(dx) &&
                       Aligned16(weight) && (!dsum || Aligned16(dsum));
@@ -422,34 +458,39 @@ ffi::Error LaunchBwd(cudaStream_t stream, int device, const void* dy, const void
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
-      const size_t smem = size_t(kGroups) * 2 * cols * sizeof(float);  // per-group dw, db
+      // per-group dw, db (, dxb)
+      const size_t smem = size_t(kGroups) * kPlanes * cols * sizeof(float);
       constexpr int kVecs = BwdVecs<T>();
-      if (smem <= kMaxSharedBytes ||
-          smem <= SharedMemoryLimit<LayerNormBwdKernel<T, kGroup, kVecs, kThreads>>(device)) {
-        run(LayerNormBwdKernel<T, kGroup, kVecs, kThreads>, kGroups, kThreads, smem);
+      constexpr auto kKernel = LayerNormBwdKernel<T, kGroup, kVecs, kThreads, kXBias>;
+      if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device)) {
+        run(kKernel, kGroups, kThreads, smem);
         launched = true;
       }
     });
   }
-  if (!launched) run(LayerNormBwdAnyKernel<T>, 1, kBlock, 0);
-  BLUJAX_RETURN_IF_ERROR(LastCudaError("blujax_layer_norm_bwd"));
+  if (!launched) run(LayerNormBwdAnyKernel<T, kXBias>, 1, kBlock, 0);
+  BLUJAX_RETURN_IF_ERROR(LastCudaError(op));
   const dim3 threads(kReduceX, kReduceY);
-  const unsigned grid = static_cast<unsigned>((2 * cols + kReduceX - 1) / kReduceX);
-  LayerNormReducePartials<T><<<grid, threads, 0, stream>>>(
-      ws, static_cast<int>(blocks), cols, static_cast<T*>(dweight), static_cast<T*>(dbias));
+  const unsigned grid = static_cast<unsigned>((kPlanes * cols + kReduceX - 1) / kReduceX);
+  LayerNormReducePartials<T, kPlanes><<<grid, threads, 0, stream>>>(
+      ws, static_cast<int>(blocks), cols, static_cast<T*>(dweight), static_cast<T*>(dbias),
+      static_cast<T*>(dx_bias));
   return ffi::Error::Success();
 }
 
+// residual/sum are null for the plain op; x_bias is null but for the add-bias op.
 ffi::Error LayerNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer x,
-                            const ffi::AnyBuffer* residual, ffi::AnyBuffer weight,
-                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
-                            ffi::Result<ffi::AnyBuffer>* sum, ffi::Result<ffi::AnyBuffer> mean,
-                            ffi::Result<ffi::AnyBuffer> rstd, float eps) {
+                            const ffi::AnyBuffer* x_bias, const ffi::AnyBuffer* residual,
+                            ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>* sum,
+                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                            float eps) {
   RowsCols rc;
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/false, &rc));
   BLUJAX_RETURN_IF_ERROR(CheckEps(op, eps));
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "bias", bias, x, rc.cols));
+  if (x_bias) BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "x_bias", *x_bias, x, rc.cols));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
   if (residual) {
     BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
@@ -457,9 +498,11 @@ ffi::Error LayerNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi
   }
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, *mean, *rstd, x, rc.rows));
   if (rc.rows == 0) return ffi::Error::Success();
-  auto launch = x.element_type() == ffi::DataType::F32 ? LaunchFwd<float>
-                                                        : LaunchFwd<__nv_bfloat16>;
+  const bool f32 = x.element_type() == ffi::DataType::F32;
+  auto launch = x_bias ? (f32 ? LaunchFwd<float, true> : LaunchFwd<__nv_bfloat16, true>)
+                       : (f32 ? LaunchFwd<float, false> : LaunchFwd<__nv_bfloat16, false>);
   BLUJAX_RETURN_IF_ERROR(launch(stream, device, x.untyped_data(),
+                                x_bias ? x_bias->untyped_data() : nullptr,
                                 residual ? residual->untyped_data() : nullptr,
                                 weight.untyped_data(), bias.untyped_data(), y->untyped_data(),
                                 sum ? (*sum)->untyped_data() : nullptr,
@@ -468,11 +511,13 @@ ffi::Error LayerNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi
   return LastCudaError(op);
 }
 
+// dsum is null for the plain op; dx_bias is null but for the add-bias op.
 ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer dy,
                             const ffi::AnyBuffer* dsum, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                             ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                             ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer>* dx_bias,
                             ffi::Result<ffi::AnyBuffer> workspace) {
   RowsCols rc;
   int64_t partials = 0;
@@ -484,14 +529,21 @@ ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dweight", *dweight, x, rc.cols));
   BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dbias", *dbias, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormWorkspace(op, *workspace, rc.cols, &partials));
-  auto launch = x.element_type() == ffi::DataType::F32 ? LaunchBwd<float>
-                                                        : LaunchBwd<__nv_bfloat16>;
-  BLUJAX_RETURN_IF_ERROR(launch(stream, device, dy.untyped_data(),
+  if (dx_bias) {
+    if (!dsum) return InvalidArgument(op, ": dx_bias needs dsum");  // not reachable from a target
+    BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dx_bias", **dx_bias, x, rc.cols));
+  }
+  BLUJAX_RETURN_IF_ERROR(
+      CheckLayerNormWorkspace(op, *workspace, rc.cols, &partials, dx_bias ? 3 : 2));
+  const bool f32 = x.element_type() == ffi::DataType::F32;
+  auto launch = dx_bias ? (f32 ? LaunchBwd<float, true> : LaunchBwd<__nv_bfloat16, true>)
+                        : (f32 ? LaunchBwd<float, false> : LaunchBwd<__nv_bfloat16, false>);
+  BLUJAX_RETURN_IF_ERROR(launch(op, stream, device, dy.untyped_data(),
                                 dsum ? dsum->untyped_data() : nullptr, x.untyped_data(),
                                 weight.untyped_data(), static_cast<const float*>(mean.untyped_data()),
                                 static_cast<const float*>(rstd.untyped_data()), dx->untyped_data(),
                                 dweight->untyped_data(), dbias->untyped_data(),
+                                dx_bias ? (*dx_bias)->untyped_data() : nullptr,
                                 static_cast<float*>(workspace->untyped_data()), partials, rc));
   return LastCudaError(op);
 }
@@ -501,8 +553,8 @@ ffi::Error LayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                         float eps) {
-  return LayerNormFwdImpl("blujax_layer_norm_fwd", stream, device, x, nullptr, weight, bias, y,
-                          nullptr, mean, rstd, eps);
+  return LayerNormFwdImpl("blujax_layer_norm_fwd", stream, device, x, nullptr, nullptr, weight,
+                          bias, y, nullptr, mean, rstd, eps);
 }
 
 ffi::Error AddLayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
@@ -510,8 +562,18 @@ ffi::Error AddLayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> sum,
                            ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                            float eps) {
-  return LayerNormFwdImpl("blujax_add_layer_norm_fwd", stream, device, x, &residual, weight, bias,
-                          y, &sum, mean, rstd, eps);
+  return LayerNormFwdImpl("blujax_add_layer_norm_fwd", stream, device, x, nullptr, &residual,
+                          weight, bias, y, &sum, mean, rstd, eps);
+}
+
+ffi::Error AddBiasLayerNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                               ffi::AnyBuffer x_bias, ffi::AnyBuffer residual,
+                               ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> sum,
+                               ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
+                               float eps) {
+  return LayerNormFwdImpl("blujax_add_bias_layer_norm_fwd", stream, device, x, &x_bias,
+                          &residual, weight, bias, y, &sum, mean, rstd, eps);
 }
 
 ffi::Error LayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer x,
@@ -519,7 +581,7 @@ ffi::Error LayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, 
                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                         ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace) {
   return LayerNormBwdImpl("blujax_layer_norm_bwd", stream, device, dy, nullptr, x, weight, mean,
-                          rstd, dx, dweight, dbias, workspace);
+                          rstd, dx, dweight, dbias, nullptr, workspace);
 }
 
 ffi::Error AddLayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy,
@@ -529,7 +591,18 @@ ffi::Error AddLayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer d
                            ffi::Result<ffi::AnyBuffer> dbias,
                            ffi::Result<ffi::AnyBuffer> workspace) {
   return LayerNormBwdImpl("blujax_add_layer_norm_bwd", stream, device, dy, &dsum, sum, weight,
-                          mean, rstd, dx, dweight, dbias, workspace);
+                          mean, rstd, dx, dweight, dbias, nullptr, workspace);
+}
+
+ffi::Error AddBiasLayerNormBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy,
+                               ffi::AnyBuffer dsum, ffi::AnyBuffer sum, ffi::AnyBuffer weight,
+                               ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                               ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                               ffi::Result<ffi::AnyBuffer> dbias,
+                               ffi::Result<ffi::AnyBuffer> dx_bias,
+                               ffi::Result<ffi::AnyBuffer> workspace) {
+  return LayerNormBwdImpl("blujax_add_bias_layer_norm_bwd", stream, device, dy, &dsum, sum,
+                          weight, mean, rstd, dx, dweight, dbias, &dx_bias, workspace);
 }
 
 }  // namespace
@@ -593,9 +666,44 @@ XLA_FFI_DEFINE_HANDLER(kAddLayerNormBwd, AddLayerNormBwd,
                            .Ret<ffi::AnyBuffer>(),  // workspace [P, 2, C] f32
                        kGraphSafe);
 
+XLA_FFI_DEFINE_HANDLER(kAddBiasLayerNormFwd, AddBiasLayerNormFwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // x_bias [C], the preceding matmul's bias
+                           .Arg<ffi::AnyBuffer>()   // residual [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // bias [C]
+                           .Ret<ffi::AnyBuffer>()   // y [..., C]
+                           .Ret<ffi::AnyBuffer>()   // sum = x + x_bias + residual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // mean [...] f32
+                           .Ret<ffi::AnyBuffer>()   // rstd [...] f32
+                           .Attr<float>("eps"),
+                       kGraphSafe);
+
+XLA_FFI_DEFINE_HANDLER(kAddBiasLayerNormBwd, AddBiasLayerNormBwd,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // dy [..., C]
+                           .Arg<ffi::AnyBuffer>()   // dsum [..., C]
+                           .Arg<ffi::AnyBuffer>()   // sum [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // mean [...]
+                           .Arg<ffi::AnyBuffer>()   // rstd [...]
+                           .Ret<ffi::AnyBuffer>()   // dx = dresidual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // dweight [C]
+                           .Ret<ffi::AnyBuffer>()   // dbias [C]
+                           .Ret<ffi::AnyBuffer>()   // dx_bias [C] = column sums of dx
+                           .Ret<ffi::AnyBuffer>(),  // workspace [P, 3, C] f32
+                       kGraphSafe);
+
 BLUJAX_REGISTER(blujax_layer_norm_fwd, kLayerNormFwd);
 BLUJAX_REGISTER(blujax_add_layer_norm_fwd, kAddLayerNormFwd);
 BLUJAX_REGISTER(blujax_layer_norm_bwd, kLayerNormBwd);
 BLUJAX_REGISTER(blujax_add_layer_norm_bwd, kAddLayerNormBwd);
+BLUJAX_REGISTER(blujax_add_bias_layer_norm_fwd, kAddBiasLayerNormFwd);
+BLUJAX_REGISTER(blujax_add_bias_layer_norm_bwd, kAddBiasLayerNormBwd);
 
 }  // namespace blujax
