@@ -249,9 +249,9 @@ def _block(layer, s, d, d_bias, *, n_head, ops, attend, par=ONE_DEVICE):
     """One transformer block. s: the residual stream so far; d + d_bias: the previous sublayer's
     output, still to be added to it (each output projection's bias is added in the LayerNorm
     after it, which saves a pass over the activations). Returns the new (s, d, d_bias) and what
-    `attend` returned beside the attention output (the layer's k, v for a KV cache). Under tensor parallelism `par` gathers
-    the sequence into each column-parallel product and reduces out of each row-parallel one;
-    this device then holds n_head / tensor of the heads."""
+    `attend` returned beside the attention output (the layer's k, v for a KV cache). Under
+    tensor parallelism `par` gathers the sequence into each column-parallel product and reduces
+    out of each row-parallel one; this device then holds n_head / tensor of the heads."""
     C = s.shape[-1]
     h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"], x_bias=d_bias)
     qkv = par.gather_matmul(h, layer["attn"]["w"]) + layer["attn"]["b"]

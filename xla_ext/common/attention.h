@@ -160,7 +160,8 @@ inline ffi::Error CheckAttentionQkvGrad(const char* op, const ffi::AnyBuffer& q,
   if (g.size() != 5 || g[0] != d.batch || g[1] != d.q_len || g[2] != 3 || g[3] != d.heads ||
       g[4] != d.head_dim)
     return InvalidArgument(op, ": dqkv has shape ", ShapeString(dqkv), ", expected [", d.batch,
-                           ", ", d.q_len, ", 3, ", d.heads, ", ", d.head_dim, "] ([B, T, 3, H, D])");
+                           ", ", d.q_len, ", 3, ", d.heads, ", ", d.head_dim,
+                           "] ([B, T, 3, H, D])");
   return ffi::Error::Success();
 }
 
