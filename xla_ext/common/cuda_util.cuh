@@ -129,6 +129,39 @@ __device__ __forceinline__ void StorePackStream(T* p, const Pack<T>& v) {
   __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
 }
 
+// 16 bytes from global to shared memory without passing through registers (sm_80+: cp.async,
+// L1 bypassed); the copies a thread has issued since its last commit form one group, and
+// CopyAsyncWait<N> returns once all but the newest N of its groups have landed. Each thread
+// waits only on its own copies, so a thread that reads back only what it copied needs no
+// barrier.
+__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void CopyAsyncCommit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void CopyAsyncWait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void CopyAsyncWaitAll() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int kWidth = 32>

@@ -326,23 +326,6 @@ CrossEntropyBwdKernel(const T* logits, T* dlogits, BwdArgs a) {
 // ----------------------------------------------------------------------------------------------
 // Loss and gradient of a row in one kernel (blujax_cross_entropy_loss_grad).
 
-// 16 bytes from global to shared memory without passing through registers (sm_80+: cp.async,
-// L1 bypassed), and the wait for all of this thread's copies.
-__device__ __forceinline__ void CopyAsync16(uint4* smem, const void* gmem) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-#else
-  *smem = *static_cast<const uint4*>(gmem);
-#endif
-}
-
-__device__ __forceinline__ void CopyAsyncWaitAll() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
 // Loads pack p of a row from the row itself; `body` is where its packs start (after the head).
 struct GlobalPacks {
   template <typename T>
