@@ -172,20 +172,31 @@ __device__ __forceinline__ float WarpSum(float v) {
 }
 
 // Sum of (a, b) over the kGroup consecutive threads that share a row. Groups wider than a warp
-// meet in shared memory `red` (2 * blockDim.x / 32 floats); every thread of the block must call
-// this together, since it synchronises the block.
-template <int kGroup>
+// meet in shared memory `red` (2 * blockDim.x / 32 floats). By default every thread of the block
+// must call this together, since it synchronises the block; given the block's size kThreads
+// (at most 15 groups), each group waits at a barrier of its own warps instead, so a group that
+// is ahead need not wait for the others.
+template <int kGroup, int kThreads = 0>
 __device__ __forceinline__ void GroupSum2(float& a, float& b, float* red) {
   a = WarpSum(a);
   b = WarpSum(b);
   if constexpr (kGroup > 32) {
     constexpr int kWarps = kGroup / 32;
+    constexpr bool kOwn = kThreads > kGroup;
+    static_assert(!kOwn || kThreads / kGroup <= 15, "named barriers 1-15, one a group");
     const int warp = threadIdx.x / 32, first = warp / kWarps * kWarps;
+    auto wait = [&] {
+      if constexpr (kOwn) {
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + warp / kWarps), "r"(kGroup) : "memory");
+      } else {
+        __syncthreads();
+      }
+    };
     if (threadIdx.x % 32 == 0) {
       red[2 * warp] = a;
       red[2 * warp + 1] = b;
     }
-    __syncthreads();
+    wait();
     a = 0.f;
     b = 0.f;
 #pragma unroll
@@ -193,7 +204,7 @@ __device__ __forceinline__ void GroupSum2(float& a, float& b, float* red) {
       a += red[2 * (first + i)];
       b += red[2 * (first + i) + 1];
     }
-    __syncthreads();  // red is reused by the next call
+    wait();  // red is reused by the next call
   }
 }
 

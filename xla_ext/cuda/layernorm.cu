@@ -28,7 +28,6 @@ namespace {
 
 constexpr int kBlock = 256;         // threads per block, unless one row's group is wider
 constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
-constexpr int kBwdFloats = 32;      // backward: elements of dy (and of x) a thread keeps
 constexpr int kMaxSharedBytes = 46 << 10;  // dynamic shared memory without opting in to more
 
 template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
@@ -238,15 +237,28 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ x_bias, const T* __restr
 }
 
 // ----------------------------------------------------------------------------------------------
-// Threads of a backward block: narrow groups (a warp or two a row) share one block of 512
-// threads, so a multiprocessor holds one block and leaves one partial row of dweight/dbias
-// instead of five (bfloat16 32768 x 768: 62% -> 71% of copy); wider groups, one or a few a block.
+// Threads of a backward block: narrow groups (a warp or two a row) share a block of 512
+// threads, so a multiprocessor holds one or two blocks and leaves as many partial rows of
+// dweight/dbias, not five or more (bfloat16 32768 x 768: 62% -> 71% of copy, with 32 elements a
+// thread); wider groups, one or a few a block.
 template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
   return kGroup <= 64 ? 512 : kGroup < 128 ? 128 : kGroup;
 }
-// Packs of dy (and of x) a backward thread keeps in registers.
-template <typename T> __host__ __device__ constexpr int BwdVecs() {
-  return kBwdFloats / Pack<T>::kSize;
+// Elements of dy (and of x) a backward thread keeps in registers: 16, in twice as many threads
+// as 32 would need, each held to 64 registers so that 1024 threads fit a multiprocessor (with
+// 32 and ~125 registers, 512 did, latency-bound: on an H100, 16 took float32 from 65-82% to
+// 73-84% of copy; bfloat16 stayed within the spread). The add-bias bfloat16 backward keeps 32
+// elements and its registers: its third accumulator plane spills at 64 registers, and it
+// measured 5-10% slower so.
+template <typename T, bool kXBias> __host__ __device__ constexpr int BwdFloats() {
+  return kXBias && sizeof(T) == 2 ? 32 : 16;
+}
+template <typename T, bool kXBias> __host__ __device__ constexpr int BwdVecs() {
+  return BwdFloats<T, kXBias>() / Pack<T>::kSize;
+}
+// Blocks a multiprocessor must hold, promised through __launch_bounds__.
+template <typename T, bool kXBias, int kThreads> __host__ __device__ constexpr int BwdMinBlocks() {
+  return BwdFloats<T, kXBias>() == 16 && kThreads < 1024 ? 1024 / kThreads : 1;
 }
 
 // Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
@@ -255,7 +267,7 @@ template <typename T> __host__ __device__ constexpr int BwdVecs() {
 // block sums its groups' slices into its partial row ws[blockIdx.x]. With kXBias a third slice
 // takes dx_bias.
 template <typename T, int kGroup, int kVecs, int kThreads, bool kXBias>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, (BwdMinBlocks<T, kXBias, kThreads>()))
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
@@ -317,7 +329,7 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         }
       }
     }
-    GroupSum2<kGroup>(sum_g, sum_gx, red);
+    GroupSum2<kGroup, kThreads>(sum_g, sum_gx, red);
     const float mg = sum_g * inv_cols, mgx = sum_gx * inv_cols;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -553,14 +565,14 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
   };
   bool launched = false;
-  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T>()) : 0;
+  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T, kXBias>()) : 0;
   if (group) {
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
       // per-group dw, db (, dxb)
       const size_t smem = size_t(kGroups) * kPlanes * cols * sizeof(float);
-      constexpr int kVecs = BwdVecs<T>();
+      constexpr int kVecs = BwdVecs<T, kXBias>();
       constexpr auto kKernel = LayerNormBwdKernel<T, kGroup, kVecs, kThreads, kXBias>;
       if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device)) {
         run(kKernel, kGroups, kThreads, smem);
