@@ -13,6 +13,7 @@
 //   waits for S_j and runs the online softmax on its registers (the per-thread layout of
 //   mma.sync's accumulators) while the second product is still on the tensor cores,
 //   then waits for that product and rescales O.
+// The warpgroups take turns to issue their products (Turns, attention_sm90_common.cuh).
 // In a causal call a warpgroup stops at the last key tile its own rows reach (and one whose
 // rows all lie past the end does no tiles); it hands the later tiles straight back.
 
@@ -40,7 +41,8 @@ struct FwdSm90Cfg {
 // Measured on an H100 (benchmarks/RESULTS.md): D = 64 runs up to 19% faster with three
 // consumer warpgroups than with two (the same at T = 1024 causal): its softmax costs about as
 // much as its products, and a third warpgroup hides more of it. D = 128 has registers for two
-// only. 64-key tiles ran 6-14% slower.
+// only. 64-key tiles ran 6-14% slower. With turns, two warpgroups at D = 64 are still 5-13%
+// slower than three.
 template <int D>
 using FwdSm90 = FwdSm90Cfg<D, D == 64 ? 3 : 2, 128>;
 
@@ -142,17 +144,21 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   // the others the tensor cores: +8% at T = 1024, D = 64, causal, +4% at T = 2048 (H100).
   const int q0w = q0 + wg * 64;
   const int n_own = q0w >= g.tq ? 0 : KeyTiles(g, q0w, 64, BN);
+  const Turns<C::kWarpgroups> turns(wg, n_kt);
   MbarWait(pipe.q_full, 0);
   for (int j = 0; j < n_own; ++j) {
     const int buf = j & 1, prev = (j - 1) & 1;
     MbarWait(pipe.k_full + buf, (j >> 1) & 1);
+    if (j > 0) MbarWait(pipe.v_full + prev, ((j - 1) >> 1) & 1);
+    turns.Take();
     WgmmaFence();
     IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);  // S_j = Q K_j^T
     if (j > 0) {
-      MbarWait(pipe.v_full + prev, ((j - 1) >> 1) & 1);
       IssueAccumulate<BN, D>(o, p, sV + prev * BN * D);  // O += P_{j-1} V_{j-1}
+      turns.Pass(j);
       WgmmaWait<1>();
     } else {
+      turns.Pass(j);
       WgmmaWait<0>();
     }
     release(pipe.k_empty + buf);
@@ -186,6 +192,8 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   // so that every buffer still gets all its arrivals and the producer stays in step.
   for (int j = n_own; j < n_kt; ++j) {
     const int buf = j & 1, phase = (j >> 1) & 1;
+    turns.Take();
+    turns.Pass(j);
     MbarWait(pipe.k_full + buf, phase);
     release(pipe.k_empty + buf);
     MbarWait(pipe.v_full + buf, phase);

@@ -261,6 +261,32 @@ __device__ __forceinline__ void SetMaxRegs() {
   }
 }
 
+// Turns: the kW consumer warpgroups of a CTA issue each tile's products in a fixed round, so
+// that one's products run on the tensor cores while the others work on their registers (the
+// softmax, dS), rather than all waiting on the products and then all on the exponentials
+// (FlashAttention-3's "ping-pong"). Named barrier 1 + w is warpgroup w's turn: it takes the
+// turn before issuing and passes it to the next warpgroup once issued, without waiting for the
+// products. Every warpgroup passes the turn `turns` times, also for tiles it has no pairs in,
+// and the last does not pass its last, so each barrier's arrivals are matched when the CTA ends.
+template <int kW>
+struct Turns {
+  int wg, turns;
+  __device__ __forceinline__ Turns(int wg_, int turns_) : wg(wg_), turns(turns_) {
+    if (kW > 1 && wg == kW - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // 0 first
+  }
+  __device__ __forceinline__ void Take() const {
+    if constexpr (kW > 1) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+  }
+  // No memory clobber: between issuing the products and waiting for them, one would make ptxas
+  // serialise the wgmmas (C7514).
+  __device__ __forceinline__ void Pass(int j) const {
+    if constexpr (kW > 1) {
+      if (wg + 1 < kW || j + 1 < turns)
+        asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % kW));
+    }
+  }
+};
+
 // Box {64 columns, 1 head, rows, 1 batch} of a [B, T, H, D] tensor at (col, h, t, b) -> smem
 // (128-byte swizzled; rows past T arrive as zeros), completing `bytes` on bar.
 __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, int col, int h, int t,
