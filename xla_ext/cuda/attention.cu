@@ -232,12 +232,17 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   constexpr int D = C::kD;
   const int64_t batch = bh / g.heads;
   FwdSm90Maps maps;
-  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, C::kBM));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, 64));
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.k, k, batch, g.tk, g.heads, D, C::kBN));
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.v, v, batch, g.tk, g.heads, D, C::kBN));
-  const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
+  // Causal: the blocks of query rows start `lead` rows before row 0 (whole warpgroups of 64,
+  // less than a block), so the one block only partly inside the sequence is the first, whose
+  // rows need the fewest key tiles, not the last, whose rows need them all (at T = 1024 a
+  // 192-row block's 64-row remainder would otherwise run 8 tiles on one warpgroup).
+  const int lead = g.causal ? (C::kBM - g.tq % C::kBM) % C::kBM / 64 * 64 : 0;
+  const int n_qt = (g.tq + lead + C::kBM - 1) / C::kBM;
   return LaunchWith(op, AttentionFwdSm90Kernel<C>, opt, n_qt * bh, C::kThreads, C::kSmem, stream,
-                    device, maps, static_cast<bf16*>(out), lse, g, n_qt);
+                    device, maps, static_cast<bf16*>(out), lse, g, n_qt, lead);
 }
 
 template <int D>

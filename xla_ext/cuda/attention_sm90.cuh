@@ -15,7 +15,9 @@
 //   then waits for that product and rescales O.
 // The warpgroups take turns to issue their products (Turns, attention_sm90_common.cuh).
 // In a causal call a warpgroup stops at the last key tile its own rows reach (and one whose
-// rows all lie past the end does no tiles); it hands the later tiles straight back.
+// rows all lie past the end does no tiles); it hands the later tiles straight back. Causal
+// blocks start before row 0 where T is not a multiple of the block (the launcher's `lead`), so
+// the warpgroups left idle are in the first block, the cheapest, not the last.
 
 #pragma once
 
@@ -46,7 +48,7 @@ struct FwdSm90Cfg {
 template <int D>
 using FwdSm90 = FwdSm90Cfg<D, D == 64 ? 3 : 2, 128>;
 
-// The TMA descriptors of q (boxes of kBM rows) and k, v (kBN rows), made on the host per call.
+// The TMA descriptors of q (boxes of 64 rows) and k, v (kBN rows), made on the host per call.
 struct FwdSm90Maps {
   CUtensorMap q, k, v;
 };
@@ -96,7 +98,7 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[BN / 8][4], float (&m)[2]
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, 1)
 AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restrict__ out,
-                       float* __restrict__ lse, Geometry g, int n_qt) {
+                       float* __restrict__ lse, Geometry g, int n_qt, int lead) {
 #ifdef BLUJAX_WGMMA
   constexpr int D = C::kD, BM = C::kBM, BN = C::kBN;
   extern __shared__ uint4 smem_fwd_sm90[];
@@ -108,7 +110,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   int qt;
   int64_t bh;
   BlockCoords(n_qt, g.causal, &qt, &bh);
-  const int q0 = qt * BM, n_kt = KeyTiles(g, q0, BM, BN);
+  const int q0 = qt * BM - lead, n_kt = KeyTiles(g, q0, BM, BN);
   const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
   constexpr int kConsumerWarps = C::kConsumers / 32;
   if (threadIdx.x == 0) pipe.Init(kConsumerWarps);
@@ -120,8 +122,12 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
     // The producer: Q, then K_j and V_j into buffer j % 2.
     SetMaxRegs<C::kProducerRegs>();
     if (threadIdx.x == C::kConsumers) {
-      MbarExpectBytes(pipe.q_full, BM * D * int(sizeof(bf16)));
-      TmaTile<D>(sQ, BM, &maps.q, h, q0, b, pipe.q_full);
+      // Q a warpgroup's 64 rows at a time, none for rows before 0 (only causal blocks start
+      // there, and those warpgroups have no work), so every copy starts inside the tensor.
+      const int first_wg = q0 < 0 ? -q0 / 64 : 0;
+      MbarExpectBytes(pipe.q_full, (C::kWarpgroups - first_wg) * 64 * D * int(sizeof(bf16)));
+      for (int w = first_wg; w < C::kWarpgroups; ++w)
+        TmaTile<D>(sQ + w * 64 * 64, BM, &maps.q, h, q0 + w * 64, b, pipe.q_full);
       pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt);
     }
     return;
@@ -143,7 +149,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   // before the block's last), none when its rows start past the end. Skipping the rest gave
   // the others the tensor cores: +8% at T = 1024, D = 64, causal, +4% at T = 2048 (H100).
   const int q0w = q0 + wg * 64;
-  const int n_own = q0w >= g.tq ? 0 : KeyTiles(g, q0w, 64, BN);
+  const int n_own = q0w >= g.tq || q0w < 0 ? 0 : KeyTiles(g, q0w, 64, BN);
   const Turns<C::kWarpgroups> turns(wg, n_kt);
   MbarWait(pipe.q_full, 0);
   for (int j = 0; j < n_own; ++j) {
@@ -210,7 +216,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
     sum += __shfl_xor_sync(kFull, sum, 2);
     inv[r] = sum > 0.f ? 1.f / sum : 0.f;
     const int row = q0 + wrow + gr + 8 * r;
-    if (t4 == 0 && row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(sum)) * kLn2;
+    if (t4 == 0 && row >= 0 && row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(sum)) * kLn2;
   }
   StageRows<BM, D>(sQ, o, wrow, inv, lane);
   __syncwarp();

@@ -199,8 +199,8 @@ __device__ __forceinline__ void StageRows(bf16* tile, const float (&acc)[D / 8][
 }
 
 // A warp's 16 staged rows [wrow, wrow + 16) of a tile of kRows rows -> rows t0 + wrow, ... of
-// one (batch, head) slice `head` of a [B, T, H, D] tensor, in whole 16-byte chunks; rows at or
-// past t_len are not written.
+// one (batch, head) slice `head` of a [B, T, H, D] tensor, in whole 16-byte chunks; rows before
+// 0 or at or past t_len are not written.
 template <int kRows, int D>
 __device__ __forceinline__ void StoreRows(bf16* head, const bf16* tile, int wrow, int t0,
                                           int t_len, int64_t stride, int lane) {
@@ -208,7 +208,7 @@ __device__ __forceinline__ void StoreRows(bf16* head, const bf16* tile, int wrow
 #pragma unroll
   for (int i = 0; i < 16 * KC / 32; ++i) {
     const int c = lane + 32 * i, row = wrow + c / KC, col = (c % KC) * 8;
-    if (t0 + row < t_len)
+    if (t0 + row >= 0 && t0 + row < t_len)
       *reinterpret_cast<uint4*>(head + int64_t(t0 + row) * stride + col) =
           *reinterpret_cast<const uint4*>(tile + Sw128<kRows>(row, col));
   }
