@@ -298,7 +298,9 @@ __device__ __forceinline__ void TmaLoad(void* dst, const CUtensorMap* map, int c
       : "memory");
 }
 
-// A tile of `rows` rows x D at row t0 of (b, h): one box per 64-column half.
+// A box of the map's rows x D at row t0 of (b, h) into a shared tile of `rows` rows, stored as
+// 64-column halves of `rows` rows each: one copy per half. (The forward fills its Q tile a
+// warpgroup's 64 rows at a time, at dst = the tile + 64 w rows.)
 template <int D>
 __device__ __forceinline__ void TmaTile(bf16* dst, int rows, const CUtensorMap* map, int h,
                                         int t0, int b, uint64_t* bar) {
