@@ -9,6 +9,7 @@ sequences, grids with more than 65535 (batch, head) pairs, the GPU's head-size c
 import contextlib
 import functools
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from jax.test_util import check_grads
 
 from blujax import kernels as ops
 from blujax.kernels import xla as spec
-from blujax.kernels.attention import GPU_HEAD_DIMS
+from blujax.kernels.attention import GPU_HEAD_DIMS, xla_deterministic
 from tests.conftest import ON_GPU
 from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
@@ -367,6 +368,81 @@ def test_bwd_returns_delta(rng, dtype):
     want = np.einsum("bqhd,bqhd->bhq", f32(dout), f32(out)) - f32(dlse)
     assert delta.dtype == jnp.float32 and delta.shape == (B, H, tq)
     assert_close(delta, want, jnp.float32, factor=5)
+
+
+# dQ summed by the dK/dV kernel (bfloat16, D = 64, on Hopper; attention.cu has the outline):
+# the workspace result then has room for float32 dQ tiles after delta.
+DQ_SUM_CASES = [(1, 1, True), (17, 17, True), (5, 70, False), (130, 200, False),
+                (200, 130, False), (1000, 1000, True)]
+
+
+def _dq_room(tq):
+    return -(-tq // 64) * 64 * 64 + 4
+
+
+@pytest.mark.parametrize("tq,tk,causal", DQ_SUM_CASES, ids=str)
+def test_bwd_workspace_with_dq_room(rng, tq, tk, causal):
+    # The same call with and without the room: the GPU takes the summing kernel with it and
+    # the two-kernel backward without; the CPU ignores the room. Same gradients and delta.
+    q, k, v = _qkv(rng, tq, tk, 64, jnp.bfloat16)
+    out, lse = ops.attention_with_lse(q, k, v, causal=causal)
+    dout = randn(rng, q.shape, jnp.bfloat16)
+    dlse = randn(rng, lse.shape, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+
+    def bwd(extra):
+        results = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
+                   sds((B, H, tq + extra), jnp.float32))
+        return _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
+                    causal=causal, scale=np.float32(0.125))
+
+    *two, delta = bwd(0)
+    *summed, delta_room = bwd(_dq_room(tq))
+    # delta is the workspace's first B * H * Tq values.
+    np.testing.assert_array_equal(delta_room.reshape(-1)[:delta.size].reshape(delta.shape), delta)
+    for got, want in zip(summed, two):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert_close(got, want, jnp.bfloat16)
+
+
+def _outside_deterministic_mode(monkeypatch):
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    monkeypatch.setenv("XLA_FLAGS", " ".join(
+        f for f in flags if not f.startswith("--xla_gpu_deterministic_ops")))
+
+
+@pytest.mark.parametrize("tq,tk,causal", DQ_SUM_CASES[:-1], ids=str)
+def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal):
+    # The tests run in XLA's deterministic mode (conftest), where the backward keeps its two
+    # kernels; here the summing kernel runs on Hopper, through attention and attention_qkv.
+    _outside_deterministic_mode(monkeypatch)
+    fresh = functools.partial(ops.attention_with_lse)  # a new static argument: a new trace
+    q, k, v = _qkv(rng, tq, tk, 64, jnp.bfloat16)
+    ct_out = randn(rng, q.shape, jnp.float32)
+    ct_lse = randn(rng, (B, H, tq), jnp.float32)
+    _, _, got = _values_and_grads(fresh, causal, q, k, v, ct_out, ct_lse)
+    _, _, want = _values_and_grads(spec.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
+    for g, r in zip(got, want):
+        assert_close(g, r, jnp.bfloat16, factor=2)
+    if tq == tk:
+        qkv = jnp.stack([q, k, v], axis=2)
+        fresh_qkv = functools.partial(ops.attention_qkv)
+        _, dqkv = _qkv_value_and_grad(fresh_qkv, causal, qkv, ct_out)
+        _, dqkv_ref = _qkv_value_and_grad(spec.attention_qkv, causal, qkv, ct_out)
+        assert_close(dqkv, dqkv_ref, jnp.bfloat16, factor=2)
+    hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
+        q).as_text()
+    room = f"f32[{B},{H},{tq + _dq_room(tq)}]"
+    assert (room in hlo) == (ON_GPU and jax.devices()[0].compute_capability == "9.0")
+
+
+def test_xla_deterministic_flag(monkeypatch):
+    for flags, want in [("", False), ("--xla_gpu_deterministic_ops=true", True),
+                        ("--xla_cpu_foo=1 --xla_gpu_deterministic_ops", True),
+                        ("--xla_gpu_deterministic_ops=false", False),
+                        ("--xla_gpu_deterministic_ops_other=true", False)]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert xla_deterministic() is want, flags
 
 
 def test_gpu_head_size_check_message(rng, monkeypatch):

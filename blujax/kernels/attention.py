@@ -11,6 +11,7 @@ backward recomputes the probabilities from q, k and it, and takes a cotangent fo
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
@@ -137,6 +138,37 @@ def _attention_fwd(q, k, v, causal, scale):
     return (out, lse), (q, k, v, out, lse)
 
 
+def xla_deterministic() -> bool:
+    """Whether XLA_FLAGS asks for XLA's deterministic mode (--xla_gpu_deterministic_ops)."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            return value.lower() in ("", "true", "1")
+    return False
+
+
+def _workspace(q, lse):
+    """The backward's float32 workspace, [B, H, Tq + extra]: delta in its first B * H * Tq
+    values. On a GPU at D = 64 in bfloat16 it also has room for the float32 dQ tiles that the
+    Hopper dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x 64, 2x dq's bytes), and
+    that kernel then runs instead of a separate dQ kernel: 5 matrix products per tile pair
+    rather than 7, with float32 sums in a varying order. XLA's deterministic mode keeps the
+    two kernels, which write every element of dq once (bit-for-bit reruns)."""
+    b, tq, h, d = q.shape
+    extra = 0
+    if q.dtype == jnp.bfloat16 and d == 64 and _hopper() and not xla_deterministic():
+        extra = -(-tq // 64) * 64 * 64 + 4
+    return result_type(lse, (b, h, tq + extra), lse.dtype)
+
+
+def _hopper() -> bool:
+    """Whether the kernels run on a Hopper GPU (compute capability 9.0) with its own kernels
+    (BLUJAX_NO_WGMMA=1 keeps the portable ones, which have no use for the dQ room)."""
+    if current_platform() != "gpu" or os.environ.get("BLUJAX_NO_WGMMA") == "1":
+        return False
+    return getattr(jax.devices("gpu")[0], "compute_capability", None) == "9.0"
+
+
 def _attention_bwd(causal, scale, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
@@ -148,7 +180,7 @@ def _attention_bwd(causal, scale, res, cts):
     # handlers do not allocate; it is dropped here.
     dq, dk, dv, _ = jax.ffi.ffi_call(
         "blujax_attention_bwd",
-        (result_type(q), result_type(k), result_type(v), result_type(lse)),
+        (result_type(q), result_type(k), result_type(v), _workspace(q, lse)),
         vmap_method="sequential",
     )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
     return dq, dk, dv
@@ -178,7 +210,7 @@ def _attention_qkv_bwd(causal, scale, res, dout):
     b, t, h, d = q.shape
     dqkv, _ = jax.ffi.ffi_call(
         "blujax_attention_qkv_bwd",
-        (result_type(q, (b, t, 3, h, d)), result_type(lse)),
+        (result_type(q, (b, t, 3, h, d)), _workspace(q, lse)),
         vmap_method="sequential",
     )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
     return (dqkv,)

@@ -16,7 +16,9 @@
 //   dS = P * (dP - delta_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
 // (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
-// it as scratch between its kernels and handlers never allocate; callers drop it.
+// it as scratch between its kernels and handlers never allocate; callers drop it. It may be
+// [B, H, Tq + extra]: delta is then its first B * H * Tq values, and the rest is workspace
+// (the Hopper backward's float32 dQ tiles at D = 64, attention.cu; the CPU leaves it).
 // The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
 // 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
 // concatenates the three; it needs Tq == Tk.
@@ -125,7 +127,13 @@ inline ffi::Error CheckAttentionBwdOperands(const char* op, const ffi::AnyBuffer
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
-  return CheckAttentionLse(op, "delta", delta, q.element_type(), d);
+  // delta may be longer than Tq: the GPU backward's workspace (room for summed dQ tiles).
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "delta", delta, AttentionStatType(q.element_type())));
+  auto dd = delta.dimensions();
+  if (dd.size() != 3 || dd[0] != d.batch || dd[1] != d.heads || dd[2] < d.q_len)
+    return InvalidArgument(op, ": delta has shape ", ShapeString(delta), ", expected [",
+                           d.batch, ", ", d.heads, ", >= ", d.q_len, "] ([B, H, >= Tq])");
+  return ffi::Error::Success();
 }
 
 // Everything a backward handler takes but its gradient results (fills dims).

@@ -24,7 +24,12 @@
 // On Hopper (compute capability 9.0, the module built for sm_90a) the bfloat16 kernels are
 // instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
 // warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
-// (FlashAttention-3's schedule; the backward keeps the two-kernel, atomic-free split above).
+// (FlashAttention-3's schedule). At D = 64, where the workspace has room for it (the Python
+// side gives it unless XLA's deterministic mode is on), the dK/dV kernel also computes dQ's
+// share of its keys and adds it into float32 tiles in the workspace (TMA bulk reductions),
+// and a small kernel scales them into dq: 5 products per (query, key) tile pair instead of 7,
+// but the order of the float32 sums varies from run to run. Otherwise the two-kernel,
+// atomic-free split above.
 // BLUJAX_NO_WGMMA=1 in the environment keeps the portable kernels there, to compare the two or
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
@@ -276,6 +281,7 @@ struct BwdBuffers {
   const float *lse, *dlse;
   void *dq, *dk, *dv;
   float* delta;
+  float* dq_sum = nullptr;  // room for BwdKvDqSm90's dQ tiles, where the workspace has it
 };
 
 template <typename T, int D>
@@ -308,12 +314,30 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
   };
   BwdSm90Maps kv_maps, q_maps;
   BLUJAX_RETURN_IF_ERROR(make_maps(&kv_maps, KV::kBM, KV::kBN));
-  BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
   const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
+  if constexpr (D == 64) {
+    if (b.dq_sum) {
+      // dQ summed by the dK/dV kernel into the zeroed workspace, then scaled into dq.
+      using F = BwdKvDqSm90;
+      static SmemOptIn opt_f;
+      const int n_q64 = (g.tq + 63) / 64;
+      if (cudaMemsetAsync(b.dq_sum, 0, size_t(bh) * n_q64 * 64 * 64 * sizeof(float),
+                          stream) != cudaSuccess)
+        return LastCudaError(op);
+      BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<F>, opt_f, n_kt * bh,
+                                        F::kThreads, F::kSmem, stream, device, kv_maps, b.lse,
+                                        b.delta, static_cast<bf16*>(b.dk),
+                                        static_cast<bf16*>(b.dv), b.dq_sum, g, n_kt));
+      DqFromSums<<<static_cast<unsigned>(bh * n_q64), 256, 0, stream>>>(
+          b.dq_sum, static_cast<bf16*>(b.dq), g, n_q64);
+      return LastCudaError(op);
+    }
+  }
+  BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
   BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<KV>, opt_kv, n_kt * bh,
                                     KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse,
                                     b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
-                                    g, n_kt));
+                                    nullptr, g, n_kt));
   return LaunchWith(op, AttentionBwdQSm90Kernel<Q>, opt_q, n_qt * bh, Q::kThreads, Q::kSmem,
                     stream, device, q_maps, b.lse, b.delta, static_cast<bf16*>(b.dq), g, n_qt);
 }
@@ -412,6 +436,15 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   return result;
 }
 
+// The float32 room after delta's B * H * Tq values (rounded up to 16 bytes) for the dQ tiles
+// of BwdKvDqSm90, B * H * ceil(Tq / 64) tiles of 64 x 64; null where the workspace is smaller.
+float* DqSumRoom(ffi::AnyBuffer& delta, const AttentionDims& d) {
+  const int64_t rows = (d.batch * d.heads * d.q_len + 3) / 4 * 4;
+  const int64_t need = rows + d.batch * d.heads * ((d.q_len + 63) / 64) * 64 * 64;
+  if (d.head_dim != 64 || static_cast<int64_t>(delta.element_count()) < need) return nullptr;
+  return static_cast<float*>(delta.untyped_data()) + rows;
+}
+
 // Launches the backward once its buffers are checked; dq, dk, dv rows are g.grad_stride apart.
 ffi::Error AttentionBwdImpl(const char* op, cudaStream_t stream, int32_t device,
                             const AttentionDims& d, const Geometry& g, ffi::DataType type,
@@ -447,6 +480,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
                static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
                dk->untyped_data(), dv->untyped_data(), static_cast<float*>(delta->untyped_data())};
+  b.dq_sum = DqSumRoom(*delta, d);
   return AttentionBwdImpl(op, stream, device, d, MakeGeometry(d, causal, scale),
                           q.element_type(), b);
 }
@@ -470,6 +504,7 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
                static_cast<const float*>(dlse.untyped_data()), base, base + third,
                base + 2 * third, static_cast<float*>(delta->untyped_data())};
+  b.dq_sum = DqSumRoom(*delta, d);
   return AttentionBwdImpl(op, stream, device, d, g, q.element_type(), b);
 }
 
