@@ -432,7 +432,7 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
         assert_close(dqkv, dqkv_ref, jnp.bfloat16, factor=2)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
         q).as_text()
-    room = f"f32[{B},{H},{tq + _dq_room(tq)}]"
+    room = f"tensor<{B}x{H}x{tq + _dq_room(tq)}xf32>"
     assert (room in hlo) == (ON_GPU and jax.devices()[0].compute_capability == "9.0")
 
 
