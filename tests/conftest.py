@@ -8,8 +8,8 @@ import zlib
 # laptop or CI; on a GPU machine the GPUs are unaffected.
 # On a GPU, XLA's deterministic mode: the CLI's resume test compares a resumed run with a
 # straight one bit for bit, and XLA's scatter-add (the embedding gradient) otherwise sums
-# with atomics in any order. (Our attention backward honours the flag too: on Hopper at head
-# size 64 it otherwise sums dQ in float32 in a varying order; test_attention.py tests both.)
+# with atomics in any order. (Our attention backward honours the flag too: on Hopper it
+# otherwise sums dQ in float32 in a varying order; test_attention.py tests both.)
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_gpu_deterministic_ops=true"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

@@ -370,21 +370,21 @@ def test_bwd_returns_delta(rng, dtype):
     assert_close(delta, want, jnp.float32, factor=5)
 
 
-# dQ summed by the dK/dV kernel (bfloat16, D = 64, on Hopper; attention.cu has the outline):
-# the workspace result then has room for float32 dQ tiles after delta.
-DQ_SUM_CASES = [(1, 1, True), (17, 17, True), (5, 70, False), (130, 200, False),
-                (200, 130, False), (1000, 1000, True)]
+# dQ summed by the dK/dV kernel (bfloat16 on Hopper; attention.cu has the outline): the
+# workspace result then has room for float32 dQ tiles after delta.
+DQ_SUM_CASES = [(1, 1, True, 64), (17, 17, True, 64), (5, 70, False, 64), (130, 200, False, 64),
+                (200, 130, False, 128), (67, 67, True, 128), (1000, 1000, True, 64)]
 
 
-def _dq_room(tq):
-    return -(-tq // 64) * 64 * 64 + 4
+def _dq_room(tq, d):
+    return -(-tq // 64) * 64 * d + 4
 
 
-@pytest.mark.parametrize("tq,tk,causal", DQ_SUM_CASES, ids=str)
-def test_bwd_workspace_with_dq_room(rng, tq, tk, causal):
+@pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES, ids=str)
+def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
     # The same call with and without the room: the GPU takes the summing kernel with it and
     # the two-kernel backward without; the CPU ignores the room. Same gradients and delta.
-    q, k, v = _qkv(rng, tq, tk, 64, jnp.bfloat16)
+    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
     out, lse = ops.attention_with_lse(q, k, v, causal=causal)
     dout = randn(rng, q.shape, jnp.bfloat16)
     dlse = randn(rng, lse.shape, jnp.float32)
@@ -394,10 +394,10 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal):
         results = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
                    sds((B, H, tq + extra), jnp.float32))
         return _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
-                    causal=causal, scale=np.float32(0.125))
+                    causal=causal, scale=np.float32(1 / np.sqrt(d)))
 
     *two, delta = bwd(0)
-    *summed, delta_room = bwd(_dq_room(tq))
+    *summed, delta_room = bwd(_dq_room(tq, d))
     # delta is the workspace's first B * H * Tq values.
     np.testing.assert_array_equal(delta_room.reshape(-1)[:delta.size].reshape(delta.shape), delta)
     for got, want in zip(summed, two):
@@ -411,13 +411,13 @@ def _outside_deterministic_mode(monkeypatch):
         f for f in flags if not f.startswith("--xla_gpu_deterministic_ops")))
 
 
-@pytest.mark.parametrize("tq,tk,causal", DQ_SUM_CASES[:-1], ids=str)
-def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal):
+@pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES[:-1], ids=str)
+def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d):
     # The tests run in XLA's deterministic mode (conftest), where the backward keeps its two
     # kernels; here the summing kernel runs on Hopper, through attention and attention_qkv.
     _outside_deterministic_mode(monkeypatch)
     fresh = functools.partial(ops.attention_with_lse)  # a new static argument: a new trace
-    q, k, v = _qkv(rng, tq, tk, 64, jnp.bfloat16)
+    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
     ct_out = randn(rng, q.shape, jnp.float32)
     ct_lse = randn(rng, (B, H, tq), jnp.float32)
     _, _, got = _values_and_grads(fresh, causal, q, k, v, ct_out, ct_lse)
@@ -432,7 +432,7 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
         assert_close(dqkv, dqkv_ref, jnp.bfloat16, factor=2)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
         q).as_text()
-    room = f"tensor<{B}x{H}x{tq + _dq_room(tq)}xf32>"
+    room = f"tensor<{B}x{H}x{tq + _dq_room(tq, d)}xf32>"
     assert (room in hlo) == (ON_GPU and jax.devices()[0].compute_capability == "9.0")
 
 

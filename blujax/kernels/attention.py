@@ -149,15 +149,15 @@ def xla_deterministic() -> bool:
 
 def _workspace(q, lse):
     """The backward's float32 workspace, [B, H, Tq + extra]: delta in its first B * H * Tq
-    values. On a GPU at D = 64 in bfloat16 it also has room for the float32 dQ tiles that the
-    Hopper dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x 64, 2x dq's bytes), and
+    values. On a Hopper GPU in bfloat16 it also has room for the float32 dQ tiles that the
+    dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and
     that kernel then runs instead of a separate dQ kernel: 5 matrix products per tile pair
     rather than 7, with float32 sums in a varying order. XLA's deterministic mode keeps the
     two kernels, which write every element of dq once (bit-for-bit reruns)."""
     b, tq, h, d = q.shape
     extra = 0
-    if q.dtype == jnp.bfloat16 and d == 64 and _hopper() and not xla_deterministic():
-        extra = -(-tq // 64) * 64 * 64 + 4
+    if q.dtype == jnp.bfloat16 and _hopper() and not xla_deterministic():
+        extra = -(-tq // 64) * 64 * d + 4
     return result_type(lse, (b, h, tq + extra), lse.dtype)
 
 

@@ -18,7 +18,7 @@
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
 // it as scratch between its kernels and handlers never allocate; callers drop it. It may be
 // [B, H, Tq + extra]: delta is then its first B * H * Tq values, and the rest is workspace
-// (the Hopper backward's float32 dQ tiles at D = 64, attention.cu; the CPU leaves it).
+// (the Hopper backward's float32 dQ tiles, attention.cu; the CPU leaves it).
 // The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
 // 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
 // concatenates the three; it needs Tq == Tk.

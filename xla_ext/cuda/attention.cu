@@ -24,12 +24,12 @@
 // On Hopper (compute capability 9.0, the module built for sm_90a) the bfloat16 kernels are
 // instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
 // warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
-// (FlashAttention-3's schedule). At D = 64, where the workspace has room for it (the Python
-// side gives it unless XLA's deterministic mode is on), the dK/dV kernel also computes dQ's
-// share of its keys and adds it into float32 tiles in the workspace (TMA bulk reductions),
-// and a small kernel scales them into dq: 5 products per (query, key) tile pair instead of 7,
-// but the order of the float32 sums varies from run to run. Otherwise the two-kernel,
-// atomic-free split above.
+// (FlashAttention-3's schedule). Where the workspace has room for it (the Python side gives
+// it unless XLA's deterministic mode is on), the dK/dV kernel also computes dQ's share of its
+// keys and adds it into float32 tiles in the workspace (TMA bulk reductions), and a small
+// kernel scales them into dq: 5 products per (query, key) tile pair instead of 7, but the
+// order of the float32 sums varies from run to run. Otherwise the two-kernel, atomic-free
+// split above.
 // BLUJAX_NO_WGMMA=1 in the environment keeps the portable kernels there, to compare the two or
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
@@ -315,23 +315,21 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
   BwdSm90Maps kv_maps, q_maps;
   BLUJAX_RETURN_IF_ERROR(make_maps(&kv_maps, KV::kBM, KV::kBN));
   const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
-  if constexpr (D == 64) {
-    if (b.dq_sum) {
-      // dQ summed by the dK/dV kernel into the zeroed workspace, then scaled into dq.
-      using F = BwdKvDqSm90;
-      static SmemOptIn opt_f;
-      const int n_q64 = (g.tq + 63) / 64;
-      if (cudaMemsetAsync(b.dq_sum, 0, size_t(bh) * n_q64 * 64 * 64 * sizeof(float),
-                          stream) != cudaSuccess)
-        return LastCudaError(op);
-      BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<F>, opt_f, n_kt * bh,
-                                        F::kThreads, F::kSmem, stream, device, kv_maps, b.lse,
-                                        b.delta, static_cast<bf16*>(b.dk),
-                                        static_cast<bf16*>(b.dv), b.dq_sum, g, n_kt));
-      DqFromSums<<<static_cast<unsigned>(bh * n_q64), 256, 0, stream>>>(
-          b.dq_sum, static_cast<bf16*>(b.dq), g, n_q64);
+  if (b.dq_sum) {
+    // dQ summed by the dK/dV kernel into the zeroed workspace, then scaled into dq.
+    using F = BwdKvDqSm90<D>;
+    static SmemOptIn opt_f;
+    const int n_q64 = (g.tq + 63) / 64;
+    if (cudaMemsetAsync(b.dq_sum, 0, size_t(bh) * n_q64 * 64 * D * sizeof(float), stream) !=
+        cudaSuccess)
       return LastCudaError(op);
-    }
+    BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<F>, opt_f, n_kt * bh,
+                                      F::kThreads, F::kSmem, stream, device, kv_maps, b.lse,
+                                      b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
+                                      b.dq_sum, g, n_kt));
+    DqFromSums<D><<<static_cast<unsigned>(bh * n_q64), 4 * D, 0, stream>>>(
+        b.dq_sum, static_cast<bf16*>(b.dq), g, n_q64);
+    return LastCudaError(op);
   }
   BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
   BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<KV>, opt_kv, n_kt * bh,
@@ -437,11 +435,11 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
 }
 
 // The float32 room after delta's B * H * Tq values (rounded up to 16 bytes) for the dQ tiles
-// of BwdKvDqSm90, B * H * ceil(Tq / 64) tiles of 64 x 64; null where the workspace is smaller.
+// of BwdKvDqSm90, B * H * ceil(Tq / 64) tiles of 64 x D; null where the workspace is smaller.
 float* DqSumRoom(ffi::AnyBuffer& delta, const AttentionDims& d) {
   const int64_t rows = (d.batch * d.heads * d.q_len + 3) / 4 * 4;
-  const int64_t need = rows + d.batch * d.heads * ((d.q_len + 63) / 64) * 64 * 64;
-  if (d.head_dim != 64 || static_cast<int64_t>(delta.element_count()) < need) return nullptr;
+  const int64_t need = rows + d.batch * d.heads * ((d.q_len + 63) / 64) * 64 * d.head_dim;
+  if (static_cast<int64_t>(delta.element_count()) < need) return nullptr;
   return static_cast<float*>(delta.untyped_data()) + rows;
 }
 

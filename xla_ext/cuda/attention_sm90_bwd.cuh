@@ -3,8 +3,8 @@
 // by TMA, as the forward in attention_sm90.cuh is (attention.cu has the overview, the launchers
 // and the handlers). Both keep the portable kernels' properties: each output element is written
 // by one CTA, so the result is deterministic, and no float32 scratch the size of dQ is needed.
-// At D = 64 the dK/dV kernel can instead sum dQ as well (BwdKvDqSm90, below), and the dQ
-// kernel is not run.
+// The dK/dV kernel can instead sum dQ as well (BwdKvDqSm90, below), and the dQ kernel is not
+// run.
 //
 // Every product has one of the two forms the forward uses: a "scores" form, A and B both
 // K-major tiles in shared memory (S = Q K^T; here also S^T = K Q^T, dP^T = V dO^T, dP = dO V^T),
@@ -25,17 +25,18 @@
 // Causal: a warpgroup lets pass the tiles in which none of its (query, key) pairs survive the
 // mask (a query tile before all its keys, a key tile after all its rows), still waiting for
 // each and releasing it so that the buffers' mbarriers count its arrival.
-// dQ in the dK/dV kernel (D = 64): per query tile each consumer warpgroup also stores its dS^T
+// dQ in the dK/dV kernel: per query tile each consumer warpgroup also stores its dS^T
 // transposed (stmatrix .trans) as its 64-key half of dS [64 queries][128 keys] in shared
-// memory; after a barrier of the two, warpgroup w computes columns [32 w, 32 w + 32) of the
-// tile's dQ share, dS K over all 128 keys, and stages it as float32 in one of two buffers. The
+// memory; after a barrier of the two, warpgroup w computes columns [w D / 2, (w + 1) D / 2)
+// of the tile's dQ share, dS K over all 128 keys (at D = 128 in S^T's registers, free by then),
+// and stages it as float32 in one of two buffers. The
 // producer's third warp adds each staged tile into the workspace with one bulk reduction
 // (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so the consumers do
 // not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
-// sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.21x the
-// two kernels' forward+backward at T >= 2048 and non-causal T = 1024, level at causal T =
-// 1024; issuing the dQ product behind the next tile's S^T and dP^T instead of waiting for it
-// made ptxas serialise the wgmmas (C7514) and ran 0.92-1.08x.
+// sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x the
+// two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128), level
+// or 2% slower at causal T = 1024; issuing the dQ product behind the next tile's S^T and dP^T
+// instead of waiting for it made ptxas serialise the wgmmas (C7514) and ran 0.92-1.08x.
 
 #pragma once
 
@@ -50,32 +51,58 @@ struct BwdSm90Maps {
 };
 
 // ---------------------------------------------------------------------------------------------
-// dQ summed by the dK/dV kernel (D = 64).
+// dQ summed by the dK/dV kernel.
 
-// acc (64 x 32) (+)= A B over 16 keys: A a K-major shared-memory tile (dS), B a transposed
-// (MN-major) one (K's rows of keys, 32 of its columns).
-__device__ __forceinline__ void WgmmaN32TransB(float (&d)[4][4], uint64_t a, uint64_t b,
-                                               int accumulate) {
+// acc (64 x N) (+)= A B over 16 keys: A a K-major shared-memory tile (dS), B a transposed
+// (MN-major) one (K's rows of keys, N of its columns).
+template <int N>
+struct WgmmaTransB;
+
+#define BLUJAX_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+template <>
+struct WgmmaTransB<32> {
+  static __device__ __forceinline__ void SS(float (&d)[4][4], uint64_t a, uint64_t b,
+                                            int accumulate) {
 #ifdef BLUJAX_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),
-        "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),
-        "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-      : "l"(a), "l"(b), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
+        "%7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
+        : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3)
+        : "l"(a), "l"(b), "r"(accumulate));
 #endif
-}
+  }
+};
 
-// dQ's tile (64 queries x 32 of D's columns) = dS K: dS [64][128 keys] as two swizzled
-// 64-key halves, kcols the first of the 32 columns in the [128 keys][64] K tile.
-__device__ __forceinline__ void IssueDsK(float (&acc)[4][4], const bf16* ds, const bf16* kcols) {
+template <>
+struct WgmmaTransB<64> {
+  static __device__ __forceinline__ void SS(float (&d)[8][4], uint64_t a, uint64_t b,
+                                            int accumulate) {
+#ifdef BLUJAX_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
+        "%7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
+        : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3), BLUJAX_D4(4), BLUJAX_D4(5),
+          BLUJAX_D4(6), BLUJAX_D4(7)
+        : "l"(a), "l"(b), "r"(accumulate));
+#endif
+  }
+};
+#undef BLUJAX_D4
+
+// A warpgroup's part of a dQ tile (64 queries x N = D / 2 of D's columns) = dS K: dS
+// [64][128 keys] as two swizzled 64-key halves, kcols the first of the N columns in the
+// [128 keys][D] K tile (at D = 64, 64 bytes into its swizzled rows; at D = 128, a half).
+template <int N>
+__device__ __forceinline__ void IssueDsK(float (&acc)[N / 8][4], const bf16* ds,
+                                         const bf16* kcols) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int half = kk / 4, at = (kk % 4) * 16;
-    WgmmaN32TransB(acc, Sw128Desc(ds + half * 64 * 64 + at),
-                   Sw128Desc(kcols + kk * 16 * 64, 128 * 64 * sizeof(bf16)), kk > 0);
+    WgmmaTransB<N>::SS(acc, Sw128Desc(ds + half * 64 * 64 + at),
+                       Sw128Desc(kcols + kk * 16 * 64, 128 * 64 * sizeof(bf16)), kk > 0);
   }
   WgmmaCommit();
 }
@@ -98,15 +125,17 @@ __device__ __forceinline__ void StoreDsTransposed(bf16* half, const uint32_t (&d
   }
 }
 
-// dQ tiles are summed in the order the accumulators hold them, not row-major: chunk
-// ((w * 4 + warp) * 4 + n) * 8 + lane / 4 of 16 floats holds rows warp * 16 + lane / 4 (+ 8)
-// and columns 32 w + 8 n .. + 8 of the tile, each lane's 4 floats one 16-byte store here (no
-// bank conflicts) and DqFromSums reading a chunk as two rows' 8 columns.
-__device__ __forceinline__ void StoreDqFragments(float* tile, const float (&acc)[4][4], int wg,
-                                                 int warp, int lane) {
+// dQ tiles (64 x D) are summed in the order the accumulators hold them, not row-major: with
+// N = D / 2 columns a warpgroup, chunk ((w * 4 + warp) * N / 8 + n) * 8 + lane / 4 of 16
+// floats holds rows warp * 16 + lane / 4 (+ 8) and columns N w + 8 n .. + 8, each lane's 4
+// floats one 16-byte store here (no bank conflicts) and DqFromSums reading a chunk as two
+// rows' 8 columns.
+template <int N>
+__device__ __forceinline__ void StoreDqFragments(float* tile, const float (&acc)[N / 8][4],
+                                                 int wg, int warp, int lane) {
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
-    *reinterpret_cast<float4*>(tile + (((wg * 4 + warp) * 4 + n) * 32 + lane) * 4) =
+  for (int n = 0; n < N / 8; ++n)
+    *reinterpret_cast<float4*>(tile + (((wg * 4 + warp) * (N / 8) + n) * 32 + lane) * 4) =
         make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
 }
 
@@ -143,18 +172,20 @@ __device__ __forceinline__ void BulkWaitAll() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// dq (bfloat16, [B, Tq, H, 64], rows g.grad_stride apart) = scale * the summed tiles, one CTA
-// of 256 threads per tile, a thread per chunk (StoreDqFragments has the order).
-__global__ void __launch_bounds__(256) DqFromSums(const float* __restrict__ dq_sum,
-                                                  bf16* __restrict__ dq, Geometry g, int n_qt) {
+// dq (bfloat16, [B, Tq, H, D], rows g.grad_stride apart) = scale * the summed tiles, one CTA
+// of 4 D threads per tile, a thread per chunk (StoreDqFragments has the order).
+template <int D>
+__global__ void __launch_bounds__(4 * D) DqFromSums(const float* __restrict__ dq_sum,
+                                                    bf16* __restrict__ dq, Geometry g, int n_qt) {
+  constexpr int N = D / 2;
   const int64_t tile = blockIdx.x, bh = tile / n_qt;
   const int qt = static_cast<int>(tile % n_qt), c = threadIdx.x;
-  const int gr = c % 8, n = c / 8 % 4, warp = c / 32 % 4, w = c / 128;
-  const float4* src = reinterpret_cast<const float4*>(dq_sum + tile * 64 * 64 + c * 16);
+  const int gr = c % 8, n = c / 8 % (N / 8), warp = c / N % 4, w = c / (4 * N);
+  const float4* src = reinterpret_cast<const float4*>(dq_sum + tile * 64 * D + c * 16);
   float4 f[4];
 #pragma unroll
   for (int t = 0; t < 4; ++t) f[t] = src[t];
-  bf16* head = dq + GradOffset<64>(bh, g.tq, g) + w * 32 + n * 8;
+  bf16* head = dq + GradOffset<D>(bh, g.tq, g) + w * N + n * 8;
   const int row = qt * 64 + warp * 16 + gr;
   const float s = g.scale;
   if (row < g.tq)
@@ -192,8 +223,10 @@ struct BwdKvSm90Cfg {
 template <int D>
 using BwdKvSm90 = BwdKvSm90Cfg<D, 64, 2>;
 
-// The same kernel summing dQ too (D = 64): see AttentionBwdKvSm90Kernel.
-using BwdKvDqSm90 = BwdKvSm90Cfg<64, 64, 2, true>;
+// The same kernel summing dQ too: see AttentionBwdKvSm90Kernel. At D = 128 its shared memory
+// (K, V, two Q and dO buffers, two of dS and two float32 dQ tiles) is 226 of the 227 KB.
+template <int D>
+using BwdKvDqSm90 = BwdKvSm90Cfg<D, 64, 2, true>;
 
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, 1)
@@ -205,7 +238,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   constexpr int D = C::kD, BM = C::kBM, BN = C::kBN, S = C::kStageCount;
   constexpr int kTileBytes = BM * D * int(sizeof(bf16));
   constexpr bool kDq = C::kSumsDq;
-  static_assert(!kDq || (D == 64 && BM == 64), "dQ sums: D = 64, 64-query tiles");
+  static_assert(!kDq || BM == 64, "dQ sums: 64-query tiles");
   extern __shared__ uint4 smem_kv_sm90[];
   bf16* sK = Aligned1024(smem_kv_sm90);
   bf16* sV = sK + BN * D;
@@ -300,12 +333,23 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   // pass, waiting for each so that its arrival counts for that tile.
   // (With dQ sums both warpgroups run every tile: they meet at a barrier per tile.)
   const int mine = g.causal && !kDq ? min((k0 + wg * 64) / BM, n_qt) : first;
-  float dq_acc[kDq ? 4 : 1][4];
+  // dQ's accumulators, N = D / 2 columns: at D = 128 they are st's registers, free once dS^T
+  // is computed (there is no room for more beside dK's and dV's).
+  constexpr int N = D / 2;
+  float dq_own[kDq && D == 64 ? N / 8 : 1][4];
+  auto& dq_acc = [&]() -> auto& {
+    if constexpr (D == 64) {
+      return dq_own;
+    } else {
+      static_assert(N / 8 == BM / 8, "st's shape");
+      return st;
+    }
+  }();
   // dQ tile t into buffer t % 2 once the sum of tile t - 2 has read it out.
   auto stage_dq = [&](int t) {
     if constexpr (kDq) {
       if (t >= 2) DqTileEmpty(t % 2, false);
-      StoreDqFragments(sdQ + (t % 2) * BM * D, dq_acc, wg, warp, lane);
+      StoreDqFragments<N>(sdQ + (t % 2) * BM * D, dq_acc, wg, warp, lane);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       DqTileFull(t % 2, true);
     }
@@ -367,7 +411,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       asm volatile("bar.sync 1, %0;\n" ::"n"(C::kConsumers) : "memory");
       WgmmaFence();
-      IssueDsK(dq_acc, cdS, sK + wg * 32);
+      IssueDsK<N>(dq_acc, cdS, D == 64 ? sK + wg * 32 : sK + wg * BN * 64);
       WgmmaWait<0>();
       FenceRegs(dq_acc);
       stage_dq(t);
