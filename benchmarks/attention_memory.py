@@ -7,7 +7,8 @@ For each implementation, jits q, k, v, dout -> (dq, dk, dv) and reads XLA's memo
 of the compiled program: arguments + outputs + temporaries is the peak the program needs
 beyond what the caller already holds (XLA allocates temporaries for the whole program up
 front). Nothing is run, so a contender that would not fit still reports its need. Ours keeps
-O(T) residuals (out, lse, delta) where XLA's jnp attention keeps the [B, H, T, T] scores.
+O(T) residuals (out, lse, delta; on Hopper also a float32 dQ workspace, unless XLA's
+deterministic mode is on) where XLA's jnp attention keeps the [B, H, T, T] scores.
 --quick: a small shape that also runs on the CPU.
 """
 
