@@ -28,11 +28,10 @@
 // dQ in the dK/dV kernel: per query tile each consumer warpgroup also stores its dS^T
 // transposed (stmatrix .trans) as its 64-key half of dS [64 queries][128 keys] in shared
 // memory; after a barrier of the two, warpgroup w computes columns [w D / 2, (w + 1) D / 2)
-// of the tile's dQ share, dS K over all 128 keys (at D = 128 in S^T's registers, free by then),
-// and stages it as float32 in one of two buffers. The
-// producer's third warp adds each staged tile into the workspace with one bulk reduction
-// (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so the consumers do
-// not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
+// of the tile's dQ share, dS K over all 128 keys (at D = 128 in S^T's registers, free by
+// then), and stages it as float32 in one of two buffers. The producer's third warp adds each
+// staged tile into the workspace with one bulk reduction (cp.reduce.async.bulk .add.f32) and
+// frees the buffer once it is read, so the consumers do not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
 // sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x the
 // two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128), level
 // or 2% slower at causal T = 1024; issuing the dQ product behind the next tile's S^T and dP^T
@@ -247,7 +246,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   bf16* sdS = sdO + S * BM * D;  // kDq: [2][BM][BN], dS (not transposed)
   float* sdQ = reinterpret_cast<float*>(sdS + (kDq ? 2 * BM * BN : 0));  // kDq: [2][BM * D]
   float* sL = sdQ + (kDq ? 2 * BM * D : 0);  // [S][BM], lse * log2(e)
-  float* sDl = sL + S * BM;                                // [S][BM]
+  float* sDl = sL + S * BM;                  // [S][BM]
   // kv_full; then per buffer: full (Q, dO, lse and delta arrived), empty.
   uint64_t* bars = reinterpret_cast<uint64_t*>(sDl + S * BM);
   uint64_t *kv_full = bars, *full = bars + 1, *empty = full + S;
@@ -302,7 +301,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
       }
     } else if (kDq && warp == 2) {
       // The dQ tiles the consumers stage, each added into dq_sum by one bulk reduction, so
-      // the consumers never wait on the sums (DqTiles has the barriers).
+      // the consumers never wait on the sums (DqTileFull and DqTileEmpty are the barriers).
       float* dq_bh = dq_sum + bh * n_qt * BM * D;
       for (int i = first; i < n_qt; ++i) {
         const int t = i - first, buf = t % 2;
@@ -404,7 +403,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
     if constexpr (kDq) {
       // dS (queries x keys) into shared memory, this warpgroup's 64 keys as one swizzled
       // 64-column half; once both halves are in, dQ's tile = dS K over the CTA's 128 keys,
-      // warpgroup w taking columns [32 w, 32 w + 32).
+      // warpgroup w taking columns [w D / 2, (w + 1) D / 2).
       const int t = i - mine, dbuf = t % 2;
       bf16* cdS = sdS + dbuf * BM * BN;
       StoreDsTransposed(cdS + wg * BM * 64, dst, warp, lane);
