@@ -106,14 +106,18 @@ inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
   return ffi::Error::Success();
 }
 
-// A per-row statistic: [B, H, Tq] of the stat dtype.
+// A per-row statistic: [B, H, Tq] of the stat dtype ([B, H, >= Tq] where `longer` allows
+// room after it: the backward's delta, which is also its workspace).
 inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi::AnyBuffer& lse,
-                                    ffi::DataType x_type, const AttentionDims& d) {
+                                    ffi::DataType x_type, const AttentionDims& d,
+                                    bool longer = false) {
   BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, lse, AttentionStatType(x_type)));
   auto ld = lse.dimensions();
-  if (ld.size() != 3 || ld[0] != d.batch || ld[1] != d.heads || ld[2] != d.q_len)
+  if (ld.size() != 3 || ld[0] != d.batch || ld[1] != d.heads || ld[2] < d.q_len ||
+      (!longer && ld[2] != d.q_len))
     return InvalidArgument(op, ": ", name, " has shape ", ShapeString(lse), ", expected [",
-                           d.batch, ", ", d.heads, ", ", d.q_len, "] ([B, H, Tq])");
+                           d.batch, ", ", d.heads, ", ", longer ? ">= " : "", d.q_len,
+                           "] ([B, H, ", longer ? ">= " : "", "Tq])");
   return ffi::Error::Success();
 }
 
@@ -128,12 +132,7 @@ inline ffi::Error CheckAttentionBwdOperands(const char* op, const ffi::AnyBuffer
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
   // delta may be longer than Tq: the GPU backward's workspace (room for summed dQ tiles).
-  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "delta", delta, AttentionStatType(q.element_type())));
-  auto dd = delta.dimensions();
-  if (dd.size() != 3 || dd[0] != d.batch || dd[1] != d.heads || dd[2] < d.q_len)
-    return InvalidArgument(op, ": delta has shape ", ShapeString(delta), ", expected [",
-                           d.batch, ", ", d.heads, ", >= ", d.q_len, "] ([B, H, >= Tq])");
-  return ffi::Error::Success();
+  return CheckAttentionLse(op, "delta", delta, q.element_type(), d, /*longer=*/true);
 }
 
 // Everything a backward handler takes but its gradient results (fills dims).
