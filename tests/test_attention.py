@@ -20,7 +20,7 @@ from jax.test_util import check_grads
 
 from blujax import kernels as ops
 from blujax.kernels import xla as spec
-from blujax.kernels.attention import GPU_HEAD_DIMS, xla_deterministic
+from blujax.kernels.attention import GPU_HEAD_DIMS, dq_room, xla_deterministic
 from tests.conftest import ON_GPU
 from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
@@ -376,10 +376,6 @@ DQ_SUM_CASES = [(1, 1, True, 64), (17, 17, True, 64), (5, 70, False, 64), (130, 
                 (200, 130, False, 128), (67, 67, True, 128), (1000, 1000, True, 64)]
 
 
-def _dq_room(tq, d):
-    return -(-tq // 64) * 64 * d + 4
-
-
 @pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES, ids=str)
 def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
     # The same call with and without the room: the GPU takes the summing kernel with it and
@@ -397,7 +393,7 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
                     causal=causal, scale=np.float32(1 / np.sqrt(d)))
 
     *two, delta = bwd(0)
-    *summed, delta_room = bwd(_dq_room(tq, d))
+    *summed, delta_room = bwd(dq_room(tq, d))
     # delta is the workspace's first B * H * Tq values.
     np.testing.assert_array_equal(delta_room.reshape(-1)[:delta.size].reshape(delta.shape), delta)
     for got, want in zip(summed, two):
@@ -432,7 +428,7 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
         assert_close(dqkv, dqkv_ref, jnp.bfloat16, factor=2)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
         q).as_text()
-    room = f"tensor<{B}x{H}x{tq + _dq_room(tq, d)}xf32>"
+    room = f"tensor<{B}x{H}x{tq + dq_room(tq, d)}xf32>"
     assert (room in hlo) == (ON_GPU and jax.devices()[0].compute_capability == "9.0")
 
 

@@ -157,8 +157,15 @@ def _workspace(q, lse):
     b, tq, h, d = q.shape
     extra = 0
     if q.dtype == jnp.bfloat16 and _hopper() and not xla_deterministic():
-        extra = -(-tq // 64) * 64 * d + 4
+        extra = dq_room(tq, d)
     return result_type(lse, (b, h, tq + extra), lse.dtype)
+
+
+def dq_room(tq: int, d: int) -> int:
+    """Values per (batch, head) the workspace adds after delta for the summed dQ tiles: its
+    ceil(Tq / 64) tiles of 64 x D, and 4 more for the 16-byte alignment of the first tile
+    (DqSumRoom in xla_ext/cuda/attention.cu)."""
+    return -(-tq // 64) * 64 * d + 4
 
 
 def _hopper() -> bool:

@@ -314,7 +314,7 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
   };
   BwdSm90Maps kv_maps, q_maps;
   BLUJAX_RETURN_IF_ERROR(make_maps(&kv_maps, KV::kBM, KV::kBN));
-  const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
+  const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN;
   if (b.dq_sum) {
     // dQ summed by the dK/dV kernel into the zeroed workspace, then scaled into dq.
     using F = BwdKvDqSm90<D>;
@@ -332,6 +332,7 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
     return LastCudaError(op);
   }
   BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
+  const int n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
   BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<KV>, opt_kv, n_kt * bh,
                                     KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse,
                                     b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
