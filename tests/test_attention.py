@@ -407,7 +407,9 @@ def _outside_deterministic_mode(monkeypatch):
         f for f in flags if not f.startswith("--xla_gpu_deterministic_ops")))
 
 
-@pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES[:-1], ids=str)
+@pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES[:-1] + [
+    pytest.param(1100, 1100, True, 128, marks=pytest.mark.gpu),  # causal, and summed on Hopper
+], ids=str)
 def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d):
     # The tests run in XLA's deterministic mode (conftest), where the backward keeps its two
     # kernels; here the summing kernel runs on Hopper, through attention and attention_qkv.
@@ -429,7 +431,9 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
         q).as_text()
     room = f"tensor<{B}x{H}x{tq + dq_room(tq, d)}xf32>"
-    assert (room in hlo) == (ON_GPU and jax.devices()[0].compute_capability == "9.0")
+    hopper = ON_GPU and jax.devices()[0].compute_capability == "9.0"
+    # Causal calls up to Tk = 1024 keep the two kernels (too few key blocks a query tile).
+    assert (room in hlo) == (hopper and not (causal and tk <= 1024))
 
 
 def test_xla_deterministic_flag(monkeypatch):

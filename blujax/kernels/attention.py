@@ -147,7 +147,7 @@ def xla_deterministic() -> bool:
     return False
 
 
-def _workspace(q, lse):
+def _workspace(q, lse, causal, tk):
     """The backward's float32 workspace, [B, H, Tq + extra]: delta in its first B * H * Tq
     values. On a Hopper GPU in bfloat16 it also has room for the float32 dQ tiles that the
     dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and
@@ -156,9 +156,20 @@ def _workspace(q, lse):
     two kernels, which write every element of dq once (bit-for-bit reruns)."""
     b, tq, h, d = q.shape
     extra = 0
-    if q.dtype == jnp.bfloat16 and _hopper() and not xla_deterministic():
+    if _sums_dq(q.dtype, causal, tk):
         extra = dq_room(tq, d)
     return result_type(lse, (b, h, tq + extra), lse.dtype)
+
+
+def _sums_dq(dtype, causal, tk: int) -> bool:
+    """Whether the backward sums dQ in its dK/dV kernel (see _workspace). Not for causal calls
+    of Tk <= 1024: a query tile there gets at most 8 key blocks' shares, on average half that,
+    too few to repay zeroing the float32 sums and converting them; on an H100 the two kernels
+    ran 1.5-3% faster at T = 1024 and 8% at T = 512, and the summing kernel 7-8% faster at
+    causal T = 2048 (benchmarks/RESULTS.md)."""
+    if dtype != jnp.bfloat16 or not _hopper() or xla_deterministic():
+        return False
+    return not (causal and tk <= 1024)
 
 
 def dq_room(tq: int, d: int) -> int:
@@ -187,7 +198,7 @@ def _attention_bwd(causal, scale, res, cts):
     # handlers do not allocate; it is dropped here.
     dq, dk, dv, _ = jax.ffi.ffi_call(
         "blujax_attention_bwd",
-        (result_type(q), result_type(k), result_type(v), _workspace(q, lse)),
+        (result_type(q), result_type(k), result_type(v), _workspace(q, lse, causal, k.shape[1])),
         vmap_method="sequential",
     )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
     return dq, dk, dv
@@ -217,7 +228,7 @@ def _attention_qkv_bwd(causal, scale, res, dout):
     b, t, h, d = q.shape
     dqkv, _ = jax.ffi.ffi_call(
         "blujax_attention_qkv_bwd",
-        (result_type(q, (b, t, 3, h, d)), _workspace(q, lse)),
+        (result_type(q, (b, t, 3, h, d)), _workspace(q, lse, causal, t)),
         vmap_method="sequential",
     )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
     return (dqkv,)

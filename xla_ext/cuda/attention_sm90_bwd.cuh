@@ -31,11 +31,13 @@
 // of the tile's dQ share, dS K over all 128 keys (at D = 128 in S^T's registers, free by
 // then), and stages it as float32 in one of two buffers. The producer's third warp adds each
 // staged tile into the workspace with one bulk reduction (cp.reduce.async.bulk .add.f32) and
-// frees the buffer once it is read, so the consumers do not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
-// sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x the
-// two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128), level
-// or 2% slower at causal T = 1024; issuing the dQ product behind the next tile's S^T and dP^T
-// instead of waiting for it made ptxas serialise the wgmmas (C7514) and ran 0.92-1.08x.
+// frees the buffer once it is read, so the consumers do not wait on the sums. The CTA's share
+// of dQ leaves it once per query tile: over a call the sums move Tk / 128 times dQ's float32
+// size through L2. Measured on an H100: 1.07-1.23x the two kernels' forward+backward at
+// T >= 2048 and non-causal T = 1024 (D = 64 and 128), but 1.5-3% slower at causal T = 1024
+// and 8% at T = 512, so the Python side keeps the two kernels for causal calls up to 1024
+// keys; issuing the dQ product behind the next tile's S^T and dP^T instead of waiting for it
+// made ptxas serialise the wgmmas (C7514) and ran 0.92-1.08x.
 
 #pragma once
 
