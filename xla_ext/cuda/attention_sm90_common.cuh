@@ -338,12 +338,14 @@ struct KvStream {
   }
 
   // The producer's one thread: K_j and V_j of (b, h) for j < n_kt, in tiles of kRows rows.
+  // `first` tiles went through the buffers before (a CTA's earlier blocks of query rows), so
+  // tile j is the buffers' (first + j)-th.
   template <int D, int kRows>
   __device__ void Stream(bf16* sK, bf16* sV, const CUtensorMap* k, const CUtensorMap* v, int h,
-                         int b, int n_kt) const {
+                         int b, int n_kt, int first = 0) const {
     constexpr int kBytes = kRows * D * int(sizeof(bf16));
     for (int j = 0; j < n_kt; ++j) {
-      const int buf = j % kStages, use = j / kStages;
+      const int buf = (first + j) % kStages, use = (first + j) / kStages;
       if (use > 0) MbarWait(k_empty + buf, (use - 1) & 1);
       MbarExpectBytes(k_full + buf, kBytes);
       TmaTile<D>(sK + buf * kRows * D, kRows, k, h, j * kRows, b, k_full + buf);
