@@ -31,7 +31,8 @@ namespace blujax {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// The forward kernel: one CTA per 64 * kWarpgroups query rows of one (batch, head).
+// The forward kernel: one CTA per block of 64 * kWarpgroups query rows of one (batch, head),
+// or with kTiles = 2 per two such blocks.
 
 template <int D, int WG, int BN, int TILES>
 struct FwdSm90Cfg {
