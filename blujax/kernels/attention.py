@@ -149,11 +149,12 @@ def xla_deterministic() -> bool:
 
 def _workspace(q, lse, causal, tk):
     """The backward's float32 workspace, [B, H, Tq + extra]: delta in its first B * H * Tq
-    values. On a Hopper GPU in bfloat16 it also has room for the float32 dQ tiles that the
-    dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and
-    that kernel then runs instead of a separate dQ kernel: 5 matrix products per tile pair
-    rather than 7, with float32 sums in a varying order. XLA's deterministic mode keeps the
-    two kernels, which write every element of dq once (bit-for-bit reruns)."""
+    values. Where _sums_dq says so (bfloat16 on a Hopper GPU, but for short causal calls) it
+    also has room for the float32 dQ tiles that the dK/dV kernel sums into (B * H *
+    ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and that kernel then runs instead of a
+    separate dQ kernel: 5 matrix products per tile pair rather than 7, with float32 sums in a
+    varying order. XLA's deterministic mode keeps the two kernels, which write every element
+    of dq once (bit-for-bit reruns)."""
     b, tq, h, d = q.shape
     extra = 0
     if _sums_dq(q.dtype, causal, tk):
