@@ -183,7 +183,8 @@ def table(rows) -> str:
                          "| | | | | |")
             continue
         xla = ok.get((r["dtype"], r["batch"], "xla"))
-        ratio = f"{r['tokens_per_s'] / xla['tokens_per_s']:.2f}x" if xla and r["ops"] == "ffi" else ""
+        ratio = (f"{r['tokens_per_s'] / xla['tokens_per_s']:.2f}x"
+                 if xla and r["ops"] == "ffi" else "")
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         gb = f"{r['program_gb']:.1f}" if r["program_gb"] is not None else "n/a"
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['ops']} | {r['tokens_per_s'] / 1e3:.1f}K "

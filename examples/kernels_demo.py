@@ -45,7 +45,8 @@ def compare(title, make_loss, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=4096, help="rows (tokens) of each input (default 4096)")
+    parser.add_argument("--rows", type=int, default=4096,
+                        help="rows (tokens) of each input (default 4096)")
     parser.add_argument("--cols", type=int, default=768, help="features per row (default 768)")
     parser.add_argument("--vocab", type=int, default=50304,
                         help="vocabulary size for the cross-entropy (default 50304)")

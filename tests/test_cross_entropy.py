@@ -725,11 +725,15 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
     ig, nc = np.int64(-1), np.int64(8)
     s0 = jnp.int32(0)
     calls = {
-        "targets_dtype": lambda: _raw(fwd, (r4, r4), x, t.astype(jnp.float32), ignore_index=ig, num_classes=nc),
+        "targets_dtype": lambda: _raw(fwd, (r4, r4), x, t.astype(jnp.float32),
+                                      ignore_index=ig, num_classes=nc),
         "targets_size": lambda: _raw(fwd, (r4, r4), x, t[:3], ignore_index=ig, num_classes=nc),
-        "loss_dtype": lambda: _raw(fwd, (sds((4,), jnp.bfloat16), r4), x, t, ignore_index=ig, num_classes=nc),
-        "lse_size": lambda: _raw(fwd, (r4, sds((5,), jnp.float32)), x, t, ignore_index=ig, num_classes=nc),
-        "logits_dtype": lambda: _raw(fwd, (r4, r4), x.astype(jnp.int32), t, ignore_index=ig, num_classes=nc),
+        "loss_dtype": lambda: _raw(fwd, (sds((4,), jnp.bfloat16), r4), x, t,
+                                   ignore_index=ig, num_classes=nc),
+        "lse_size": lambda: _raw(fwd, (r4, sds((5,), jnp.float32)), x, t,
+                                 ignore_index=ig, num_classes=nc),
+        "logits_dtype": lambda: _raw(fwd, (r4, r4), x.astype(jnp.int32), t,
+                                     ignore_index=ig, num_classes=nc),
         "scalar_logits": lambda: _raw(fwd, (sds((), jnp.float32),) * 2, x[0, 0], t[0],
                                       ignore_index=ig, num_classes=nc),
         "stats_size": lambda: _raw(stats, (r4, r4, sds((3,), jnp.float32)), x, t, s0,

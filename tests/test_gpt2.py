@@ -79,7 +79,8 @@ def test_loss_and_grads_match_xla(remat):
     # Non-zero biases and LayerNorm parameters, so their gradients are tested too.
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape)
+                             for x, k in zip(leaves, keys)])
     tokens = _tokens(3, (3, 41))  # T not a power of two
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 

@@ -127,7 +127,8 @@ def cross_entropy_stats(logits, targets, *, vocab_start=0, num_classes: int | No
 
     then set the loss of ignored rows to 0, and lse (hence the loss) of rows whose target is
     outside the whole vocabulary to NaN. num_classes (default: no limit) is the size of the
-    whole vocabulary: global columns from it on (padding) are left out of every statistic. Each device's slice of the gradient is then
+    whole vocabulary: global columns from it on (padding) are left out of every statistic. Each
+    device's slice of the gradient is then
     `cross_entropy_grad(logits, targets, lse, dloss, vocab_start=..., ignore_index=...)`.
     Not differentiable itself; `vocab_parallel_softmax_cross_entropy` is this recipe inside a
     custom_vjp.

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, check_feature_param, check_float64_platform, match_vma, result_type
+from blujax.kernels._util import (check_dtype, check_feature_param, check_float64_platform,
+                                  match_vma, result_type)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Bound on the partial dbias rows of the CUDA backward: it launches about 4 blocks per

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax._ffi import current_platform, require_kernels
-from blujax.kernels._util import check_dtype, check_feature_param, check_float64_platform, match_vma, result_type
+from blujax.kernels._util import (check_dtype, check_feature_param, check_float64_platform,
+                                  match_vma, result_type)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Upper bound on the per-block partial rows of dweight/dbias the CUDA backward may use; it

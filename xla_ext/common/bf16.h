@@ -29,7 +29,13 @@ template <> struct Compute<uint16_t> { using type = float; };
 template <typename T> inline typename Compute<T>::type Load(const T* p, int64_t i) { return p[i]; }
 template <> inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToFloat(p[i]); }
 
-template <typename T, typename S> inline void Store(T* p, int64_t i, S v) { p[i] = static_cast<T>(v); }
-template <> inline void Store<uint16_t, float>(uint16_t* p, int64_t i, float v) { p[i] = FloatToBf16(v); }
+template <typename T, typename S>
+inline void Store(T* p, int64_t i, S v) {
+  p[i] = static_cast<T>(v);
+}
+template <>
+inline void Store<uint16_t, float>(uint16_t* p, int64_t i, float v) {
+  p[i] = FloatToBf16(v);
+}
 
 }  // namespace blujax

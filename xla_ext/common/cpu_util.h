@@ -39,7 +39,8 @@ template <typename Fn>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, Fn&& fn) {
   if (n <= 0) return;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t chunks = std::min<int64_t>(threads * 4, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  const int64_t chunks =
+      std::min<int64_t>(threads * 4, (n + grain - 1) / std::max<int64_t>(grain, 1));
   if (chunks <= 1 || threads == 1) {
     fn(int64_t{0}, n);
     return;
@@ -71,6 +72,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, Fn&& fn) {
 }
 
 // Rows per chunk so that a chunk is worth a task (about 64k elements).
-inline int64_t RowGrain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1)); }
+inline int64_t RowGrain(int64_t cols) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(cols, 1));
+}
 
 }  // namespace blujax

@@ -192,8 +192,8 @@ ffi::Error CrossEntropyStats(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::A
   });
 }
 
-ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets, ffi::AnyBuffer lse,
-                           ffi::AnyBuffer g, ffi::AnyBuffer vocab_start,
+ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
+                           ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::AnyBuffer vocab_start,
                            ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
                            int64_t num_classes) {
   const char* op = "blujax_cross_entropy_bwd";

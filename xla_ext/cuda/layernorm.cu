@@ -30,7 +30,9 @@ constexpr int kBlock = 256;         // threads per block, unless one row's group
 constexpr int kFwdFloats = 32;      // row elements a thread keeps in registers, forward
 constexpr int kMaxSharedBytes = 46 << 10;  // dynamic shared memory without opting in to more
 
-template <int kGroup> __host__ __device__ constexpr int BlockFor() { return kGroup > kBlock ? kGroup : kBlock; }
+template <int kGroup> __host__ __device__ constexpr int BlockFor() {
+  return kGroup > kBlock ? kGroup : kBlock;
+}
 
 // The end of a forward row once a thread holds its packs' values in v (n of them, summing to
 // sum): the row's mean and squared deviations in one exchange (each thread's own around its own
@@ -112,7 +114,8 @@ LayerNormFwdKernel(const T* __restrict__ x, const T* __restrict__ x_bias,
             for (int k = 0; k < kPack; ++k)
               a.v[k] = FromFloat<T>(ToFloat(a.v[k]) + ToFloat(r.v[k]));
           }
-          StorePackStream(sum + off, a);  // rounded to T: the statistics are those of the sum returned
+          // Rounded to T: the statistics are those of the sum returned.
+          StorePackStream(sum + off, a);
         }
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
@@ -652,7 +655,8 @@ ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi
                         : (f32 ? LaunchBwd<float, false> : LaunchBwd<__nv_bfloat16, false>);
   BLUJAX_RETURN_IF_ERROR(launch(op, stream, device, dy.untyped_data(),
                                 dsum ? dsum->untyped_data() : nullptr, x.untyped_data(),
-                                weight.untyped_data(), static_cast<const float*>(mean.untyped_data()),
+                                weight.untyped_data(),
+                                static_cast<const float*>(mean.untyped_data()),
                                 static_cast<const float*>(rstd.untyped_data()), dx->untyped_data(),
                                 dweight->untyped_data(), dbias->untyped_data(),
                                 dx_bias ? (*dx_bias)->untyped_data() : nullptr,
