@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/ffi_util.h"
 
@@ -113,6 +114,35 @@ __device__ __forceinline__ Pack<T> LoadPack(const T* p) {
 template <typename T>
 __device__ __forceinline__ void StorePack(T* p, const Pack<T>& v) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+}
+
+// Element k of a pack, as a float. A bfloat16 is the high half of a float, so shifting or
+// masking its 32-bit word converts it, and the pack stays in its 4 registers; converting
+// element by element splits the pack into 16-bit values, a register each.
+template <typename T>
+__device__ __forceinline__ float PackElem(const Pack<T>& p, int k) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[k / 2];
+    return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);
+  } else {
+    return ToFloat(p.v[k]);
+  }
+}
+
+// A pack of T from kSize floats, rounded to nearest; bfloat16 converts two at a time (one
+// cvt.rn.bf16x2.f32 a pair, not a conversion an element and a move to pair them).
+template <typename T>
+__device__ __forceinline__ Pack<T> PackFromFloats(const float (&f)[Pack<T>::kSize]) {
+  Pack<T> out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::kSize; k += 2)
+      reinterpret_cast<__nv_bfloat162*>(out.v)[k / 2] = __floats2bfloat162_rn(f[k], f[k + 1]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::kSize; ++k) out.v[k] = FromFloat<T>(f[k]);
+  }
+  return out;
 }
 
 // Streaming variants for data touched once (activations): they bypass L1 and are evicted from

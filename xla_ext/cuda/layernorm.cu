@@ -250,18 +250,16 @@ template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
 // Elements of dy (and of x) a backward thread keeps in registers: 16, in twice as many threads
 // as 32 would need, each held to 64 registers so that 1024 threads fit a multiprocessor (with
 // 32 and ~125 registers, 512 did, latency-bound: on an H100, 16 took float32 from 65-82% to
-// 73-84% of copy; bfloat16 stayed within the spread). The add-bias bfloat16 backward keeps 32
-// elements and its registers: its third accumulator plane spills at 64 registers, and it
-// measured 5-10% slower so.
-template <typename T, bool kXBias> __host__ __device__ constexpr int BwdFloats() {
-  return kXBias && sizeof(T) == 2 ? 32 : 16;
-}
-template <typename T, bool kXBias> __host__ __device__ constexpr int BwdVecs() {
-  return BwdFloats<T, kXBias>() / Pack<T>::kSize;
+// 73-84% of copy). bfloat16 fits the bound only with its packs kept whole (PackElem): split
+// into a register an element, they spilled, the add-bias variant's so badly that it kept 32
+// elements without the bound.
+constexpr int kBwdFloats = 16;
+template <typename T> __host__ __device__ constexpr int BwdVecs() {
+  return kBwdFloats / Pack<T>::kSize;
 }
 // Blocks a multiprocessor must hold, promised through __launch_bounds__.
-template <typename T, bool kXBias, int kThreads> __host__ __device__ constexpr int BwdMinBlocks() {
-  return BwdFloats<T, kXBias>() == 16 && kThreads < 1024 ? 1024 / kThreads : 1;
+template <int kThreads> __host__ __device__ constexpr int BwdMinBlocks() {
+  return kThreads < 1024 ? 1024 / kThreads : 1;
 }
 
 // Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
@@ -270,7 +268,7 @@ template <typename T, bool kXBias, int kThreads> __host__ __device__ constexpr i
 // block sums its groups' slices into its partial row ws[blockIdx.x]. With kXBias a third slice
 // takes dx_bias.
 template <typename T, int kGroup, int kVecs, int kThreads, bool kXBias>
-__global__ void __launch_bounds__(kThreads, (BwdMinBlocks<T, kXBias, kThreads>()))
+__global__ void __launch_bounds__(kThreads, BwdMinBlocks<kThreads>())
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
@@ -309,7 +307,9 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     const bool valid = row < rows;
     const float m = valid ? mean[row] : 0.f, rs = valid ? rstd[row] : 0.f;
     Pack<T> d[kVecs], a[kVecs];
-    float sum_g = 0.f, sum_gx = 0.f;
+    // Sums of g = dy * weight and of g * (x - mean): rstd is applied once a row, not an
+    // element.
+    float sum_g = 0.f, sum_gxm = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
@@ -326,14 +326,15 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         const Pack<T> w = LoadPack(weight + p * kPack);
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
-          const float g = ToFloat(d[i].v[k]) * ToFloat(w.v[k]);
+          const float g = PackElem(d[i], k) * PackElem(w, k);
           sum_g += g;
-          sum_gx += g * (ToFloat(a[i].v[k]) - m) * rs;
+          sum_gxm += g * (PackElem(a[i], k) - m);
         }
       }
     }
-    GroupSum2<kGroup, kThreads>(sum_g, sum_gx, red);
-    const float mg = sum_g * inv_cols, mgx = sum_gx * inv_cols;
+    GroupSum2<kGroup, kThreads>(sum_g, sum_gxm, red);
+    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs + (xhat * c1 + c0).
+    const float c0 = -rs * sum_g * inv_cols, c1 = -rs * rs * sum_gxm * inv_cols;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
@@ -342,19 +343,16 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
         const Pack<T> w = LoadPack(weight + p * kPack);
         Pack<T> ds;
         if (kXBias || dsum) ds = LoadPackStream(dsum + off);
-        Pack<T> out;
-        float dwv[kPack], dbv[kPack], dxbv[kPack];
+        float o[kPack], dwv[kPack], dbv[kPack];
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
-          const float dd = ToFloat(d[i].v[k]), xhat = (ToFloat(a[i].v[k]) - m) * rs;
-          float o = rs * (dd * ToFloat(w.v[k]) - mg - xhat * mgx);
-          if (kXBias || dsum) o += ToFloat(ds.v[k]);
-          out.v[k] = FromFloat<T>(o);
+          const float dd = PackElem(d[i], k), xhat = (PackElem(a[i], k) - m) * rs;
+          o[k] = fmaf(dd * PackElem(w, k), rs, fmaf(xhat, c1, c0));
+          if (kXBias || dsum) o[k] += PackElem(ds, k);
           dwv[k] = dd * xhat;
           dbv[k] = dd;
-          if constexpr (kXBias) dxbv[k] = o;  // before rounding, as dweight and dbias
         }
-        StorePackStream(dx + off, out);
+        StorePackStream(dx + off, PackFromFloats<T>(o));
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           float4& w4 = dw_acc[c * packs + p];
@@ -363,10 +361,10 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
                       w4.w + dwv[4 * c + 3]};
           b4 = float4{b4.x + dbv[4 * c], b4.y + dbv[4 * c + 1], b4.z + dbv[4 * c + 2],
                       b4.w + dbv[4 * c + 3]};
-          if constexpr (kXBias) {
+          if constexpr (kXBias) {  // dx_bias before rounding, as dweight and dbias
             float4& x4 = dxb_acc[c * packs + p];
-            x4 = float4{x4.x + dxbv[4 * c], x4.y + dxbv[4 * c + 1], x4.z + dxbv[4 * c + 2],
-                        x4.w + dxbv[4 * c + 3]};
+            x4 = float4{x4.x + o[4 * c], x4.y + o[4 * c + 1], x4.z + o[4 * c + 2],
+                        x4.w + o[4 * c + 3]};
           }
         }
       }
@@ -568,14 +566,14 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void
         static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
   };
   bool launched = false;
-  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T, kXBias>()) : 0;
+  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T>()) : 0;
   if (group) {
     WithGroup(group, [&](auto g) {
       constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
       constexpr int kGroups = kThreads / kGroup;
       // per-group dw, db (, dxb)
       const size_t smem = size_t(kGroups) * kPlanes * cols * sizeof(float);
-      constexpr int kVecs = BwdVecs<T, kXBias>();
+      constexpr int kVecs = BwdVecs<T>();
       constexpr auto kKernel = LayerNormBwdKernel<T, kGroup, kVecs, kThreads, kXBias>;
       if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device)) {
         run(kKernel, kGroups, kThreads, smem);
