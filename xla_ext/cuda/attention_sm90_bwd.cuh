@@ -99,11 +99,12 @@ struct WgmmaTransB<64> {
 template <int N>
 __device__ __forceinline__ void IssueDsK(float (&acc)[N / 8][4], const bf16* ds,
                                          const bf16* kcols) {
+  const uint64_t da = Sw128Desc(ds), db = Sw128Desc(kcols, 128 * 64 * sizeof(bf16));
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int half = kk / 4, at = (kk % 4) * 16;
-    WgmmaTransB<N>::SS(acc, Sw128Desc(ds + half * 64 * 64 + at),
-                       Sw128Desc(kcols + kk * 16 * 64, 128 * 64 * sizeof(bf16)), kk > 0);
+    WgmmaTransB<N>::SS(acc, DescPlus(da, (half * 64 * 64 + at) * sizeof(bf16)),
+                       DescPlus(db, kk * 16 * 64 * sizeof(bf16)), kk > 0);
   }
   WgmmaCommit();
 }

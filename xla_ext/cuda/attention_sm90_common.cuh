@@ -36,6 +36,15 @@ __device__ __forceinline__ uint64_t Sw128Desc(const void* p, uint32_t lbo = 16) 
          uint64_t(kSbo >> 4) << 32 | uint64_t(1) << 62;
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) past desc's. The start address is
+// the low 14-bit field, in 16-byte units; shared memory's 256 KB fit it, so the sum does not
+// carry into the other fields, and one 32-bit add replaces recomputing the descriptor (whose
+// mask and shifts the compiler cannot fold: some 5 uniform instructions a product).
+__device__ __forceinline__ uint64_t DescPlus(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -146,11 +155,12 @@ struct Wgmma<128> {
 template <int N, int D, int kARows>
 __device__ __forceinline__ void IssueRowsByRows(float (&acc)[N / 8][4], const bf16* a,
                                                 const bf16* b) {
+  const uint64_t da = Sw128Desc(a), db = Sw128Desc(b);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {  // 32 bytes along a swizzled row, then the next half
     const int half = kk / 4, at = (kk % 4) * 16;
-    Wgmma<N>::SS(acc, Sw128Desc(a + half * kARows * 64 + at), Sw128Desc(b + half * N * 64 + at),
-                 kk > 0);
+    Wgmma<N>::SS(acc, DescPlus(da, (half * kARows * 64 + at) * sizeof(bf16)),
+                 DescPlus(db, (half * N * 64 + at) * sizeof(bf16)), kk > 0);
   }
   WgmmaCommit();
 }
@@ -161,9 +171,10 @@ __device__ __forceinline__ void IssueRowsByRows(float (&acc)[N / 8][4], const bf
 template <int K, int D>
 __device__ __forceinline__ void IssueAccumulate(float (&acc)[D / 8][4],
                                                 const uint32_t (&a)[K / 16][4], const bf16* b) {
+  const uint64_t db = Sw128Desc(b, K * 64 * sizeof(bf16));  // LBO: bytes between B's halves
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)  // 16 rows of B a step; LBO: bytes between its halves
-    Wgmma<D>::RS(acc, a[kk], Sw128Desc(b + kk * 16 * 64, K * 64 * sizeof(bf16)), 1);
+  for (int kk = 0; kk < K / 16; ++kk)  // 16 rows of B a step
+    Wgmma<D>::RS(acc, a[kk], DescPlus(db, kk * 16 * 64 * sizeof(bf16)), 1);
   WgmmaCommit();
 }
 
