@@ -301,6 +301,21 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     }
   }
 
+  // bfloat16 keeps the weight of its columns, the same for every row, in registers (8 of
+  // them), not read again in both loops of every row (16384 x 768: 34.0 -> 31.8 us under
+  // Nsight Compute); float32 and the add-bias variant have no registers to spare for it.
+  constexpr bool kHoldW = sizeof(T) == 2 && !kXBias;
+  Pack<T> held_w[kHoldW ? kVecs : 1];
+  if constexpr (kHoldW) {
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i)
+      if (lane + i * kGroup < packs) held_w[i] = LoadPack(weight + (lane + i * kGroup) * kPack);
+  }
+  auto weight_pack = [&](int i, int p) {
+    if constexpr (kHoldW) return held_w[i];
+    else return LoadPack(weight + p * kPack);
+  };
+
   for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
        base += int64_t(gridDim.x) * kGroups) {
     const int64_t row = base + group;
@@ -323,7 +338,7 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
-        const Pack<T> w = LoadPack(weight + p * kPack);
+        const Pack<T> w = weight_pack(i, p);
 #pragma unroll
         for (int k = 0; k < kPack; ++k) {
           const float g = PackElem(d[i], k) * PackElem(w, k);
@@ -340,7 +355,7 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
       const int p = lane + i * kGroup;
       if (valid && p < packs) {
         const int64_t off = row * cols + int64_t(p) * kPack;
-        const Pack<T> w = LoadPack(weight + p * kPack);
+        const Pack<T> w = weight_pack(i, p);
         Pack<T> ds;
         if (kXBias || dsum) ds = LoadPackStream(dsum + off);
         float o[kPack], dwv[kPack], dbv[kPack];
