@@ -116,14 +116,19 @@ __device__ __forceinline__ void StorePack(T* p, const Pack<T>& v) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
 }
 
-// Element k of a pack, as a float. A bfloat16 is the high half of a float, so shifting or
-// masking its 32-bit word converts it, and the pack stays in its 4 registers; converting
-// element by element splits the pack into 16-bit values, a register each.
+// Bfloat16 k (0: the low half, at the lower address; 1: the high half) of a 32-bit word, as a
+// float. A bfloat16 is the high half of a float, so a shift or a mask converts it, and the word
+// stays whole in its register; converting element by element splits it into 16-bit values, a
+// register each.
+__device__ __forceinline__ float Bf16OfWord(uint32_t w, int k) {
+  return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);
+}
+
+// Element k of a pack, as a float (a bfloat16 pack stays in its 4 registers: Bf16OfWord).
 template <typename T>
 __device__ __forceinline__ float PackElem(const Pack<T>& p, int k) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[k / 2];
-    return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);
+    return Bf16OfWord(reinterpret_cast<const uint32_t*>(p.v)[k / 2], k);
   } else {
     return ToFloat(p.v[k]);
   }

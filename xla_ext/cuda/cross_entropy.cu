@@ -64,8 +64,7 @@ struct RawPack {
   // k is a compile-time constant wherever this is called (unrolled loops).
   __device__ __forceinline__ float operator[](int k) const {
     if constexpr (sizeof(T) == 4) return __uint_as_float(w[k]);
-    // bfloat16: the element at the lower address is the low half of the word
-    return __uint_as_float(k % 2 ? w[k / 2] & 0xffff0000u : w[k / 2] << 16);
+    return Bf16OfWord(w[k / 2], k);
   }
 };
 
@@ -87,17 +86,8 @@ __device__ __forceinline__ RawPack<T> NegInfPack() {
 // which also leaves L2 to the logits it may read again).
 template <typename T, bool kStream = false>
 __device__ __forceinline__ void StoreFloats(T* p, const float (&v)[Pack<T>::kSize]) {
-  uint4 raw;
-  if constexpr (sizeof(T) == 4) {
-    raw = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
-                     __float_as_uint(v[3]));
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)  // two floats to two bfloat16 (round to nearest even) at once
-      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(v[2 * k + 1]), "f"(v[2 * k]));
-    raw = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  const Pack<T> out = PackFromFloats<T>(v);
+  const uint4 raw = *reinterpret_cast<const uint4*>(&out);
   // one 16-byte store (a plain assignment is split)
   if constexpr (kStream) __stcs(reinterpret_cast<uint4*>(p), raw);
   else __stwb(reinterpret_cast<uint4*>(p), raw);
