@@ -13,9 +13,6 @@ shapes). Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
-import json
 import pathlib
 import statistics
 import sys
@@ -26,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.harness import normal  # noqa: E402
+from benchmarks.harness import normal, trace_device_events  # noqa: E402
 from blujax import kernels  # noqa: E402
 from blujax.kernels import xla  # noqa: E402
 
@@ -35,14 +32,7 @@ SHAPES = [(16384, 3072), (32768, 3072), (16384, 4096)]
 
 def device_kernels(trace_dir: str, min_us: float) -> list[tuple[float, float]]:
     """(start, duration) in us of the device events of at least min_us in a Perfetto trace."""
-    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
-    events = json.load(gzip.open(path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    process = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return sorted((e["ts"], e.get("dur", 0)) for e in events
-                  if e.get("ph") == "X" and not process.get(e["pid"], "").startswith("/host")
-                  and e.get("dur", 0) >= min_us)
+    return [(t, d) for t, d, _ in trace_device_events(trace_dir) if d >= min_us]
 
 
 def measure(fn, args, trace_dir: str, min_us: float) -> tuple[float, float]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
+import gzip
+import json
 import statistics
 import time
 from typing import Callable, Sequence
@@ -202,3 +205,15 @@ def normal(key, shape, dtype, scale=1.0):
 
 def itemsize(dtype) -> int:
     return np.dtype(jnp.dtype(dtype)).itemsize
+
+
+def trace_device_events(trace_dir: str) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every device event in the Perfetto trace that
+    `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` wrote, by start."""
+    path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    process = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return sorted((e["ts"], e.get("dur", 0), e.get("name", "")) for e in events
+                  if e.get("ph") == "X" and not process.get(e["pid"], "").startswith("/host"))
