@@ -24,9 +24,8 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.harness import trace_device_events  # noqa: E402
+from benchmarks.harness import default_calls, same_size_copy, trace_device_events  # noqa: E402
 from benchmarks.kernels import ALL_OPS  # noqa: E402
 
 
@@ -68,7 +67,7 @@ def main(argv=None) -> None:
             name = f"{case.op} {case.direction} {case.shape} {case.dtype}"
             if case.flops or a.filter not in name:
                 continue
-            calls = a.calls or min(32, max(4, -(-(4 << 30) // case.bytes)))
+            calls = a.calls or default_calls(case.bytes)
             us = {}
             for impl in ("ours", "xla"):
                 fn, _ = case.make(impl, jax.random.key(0))
@@ -76,10 +75,9 @@ def main(argv=None) -> None:
                     [case.make(impl, jax.random.key(i))[1] for i in range(calls)])
                 us[impl] = traced(fn, sets, f"{root}/{len(us)}_{name.replace(' ', '_')}")
                 del sets
-            n = max(1, case.bytes // 8)  # the harness's same-size copy: n float32 in, n out
-            sets = jax.block_until_ready(
-                [(jnp.full((n,), 1.0 + i, jnp.float32),) for i in range(calls)])
-            copy = traced(lambda x: x * 2.0, sets, f"{root}/copy_{name.replace(' ', '_')}")
+            fn, make = same_size_copy(case.bytes)
+            sets = jax.block_until_ready([make(i) for i in range(calls)])
+            copy = traced(fn, sets, f"{root}/copy_{name.replace(' ', '_')}")
             del sets
             ours, xla = us["ours"], us["xla"]
             print(f"| {case.op} | {case.direction} | {case.shape} | {case.dtype} | "

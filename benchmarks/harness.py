@@ -54,6 +54,11 @@ class Case:
     calls: int | None = None
 
 
+def default_calls(bytes_per_call: int) -> int:
+    """Input sets per timed program: 4 to 32, about 4 GiB in all (see time_op)."""
+    return min(32, max(4, -(-(4 << 30) // max(bytes_per_call, 1))))
+
+
 def time_op(fn, make_args, bytes_per_call: int, samples: int = 7, calls: int | None = None,
             programs: int = 4, donate: bool = False):
     """Median seconds per call of fn(*args).
@@ -66,7 +71,7 @@ def time_op(fn, make_args, bytes_per_call: int, samples: int = 7, calls: int | N
     inputs, so each queued program gets fresh ones, made before the clock starts.
     """
     if calls is None:
-        calls = min(32, max(4, -(-(4 << 30) // max(bytes_per_call, 1))))
+        calls = default_calls(bytes_per_call)
     if donate:
         programs = 2  # each queued program holds its own inputs
 
@@ -108,9 +113,14 @@ def matched_copy_seconds(nbytes: int) -> float:
     same way as the ops: what a plain copy of an op's bytes reaches in this harness. Small
     calls fall short of the 2 GiB copy figure (ramp-up, tail, gaps between kernels), and the
     ops pay the same."""
+    fn, make = same_size_copy(nbytes)
+    return time_op(fn, make, max(1, nbytes // 8) * 8)
+
+
+def same_size_copy(nbytes: int):
+    """(fn, make_args) of XLA's scale op moving nbytes: n float32 read, n written."""
     n = max(1, nbytes // 8)
-    return time_op(lambda x: x * 2.0, lambda i: (jnp.full((n,), 1.0 + i, jnp.float32),),
-                   8 * n)
+    return (lambda x: x * 2.0), (lambda i: (jnp.full((n,), 1.0 + i, jnp.float32),))
 
 
 def run_case(case: Case, copy_bw: float, seed: int = 0) -> dict:
