@@ -25,19 +25,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from benchmarks.harness import default_calls, same_size_copy, trace_device_events  # noqa: E402
+from benchmarks.harness import default_calls, same_size_copy, traced_program  # noqa: E402
 from benchmarks.kernels import ALL_OPS  # noqa: E402
 
 
 def traced(fn, arg_sets, trace_dir: str) -> tuple[float, float, int]:
     """Span and busy device time in us, and the number of device events, of one program that
     calls fn on every input set (compiled and run twice before the traced run)."""
-    program = jax.jit(lambda sets: [fn(*a) for a in sets])
-    for _ in range(2):
-        jax.block_until_ready(program(arg_sets))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(program(arg_sets))
-    events = trace_device_events(trace_dir)
+    events = traced_program(fn, arg_sets, trace_dir)
     span = events[-1][0] + events[-1][1] - events[0][0]
     return span, sum(d for _, d, _ in events), len(events)
 

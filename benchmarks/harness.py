@@ -227,3 +227,14 @@ def trace_device_events(trace_dir: str) -> list[tuple[float, float, str]]:
                if e.get("ph") == "M" and e.get("name") == "process_name"}
     return sorted((e["ts"], e.get("dur", 0), e.get("name", "")) for e in events
                   if e.get("ph") == "X" and not process.get(e["pid"], "").startswith("/host"))
+
+
+def traced_program(fn, arg_sets, trace_dir: str) -> list[tuple[float, float, str]]:
+    """The device events (trace_device_events) of one jitted program that calls fn on every
+    input set, compiled and run twice before the traced run."""
+    program = jax.jit(lambda sets: [fn(*a) for a in sets])
+    for _ in range(2):
+        jax.block_until_ready(program(arg_sets))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(program(arg_sets))
+    return trace_device_events(trace_dir)

@@ -25,20 +25,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.harness import itemsize, normal, trace_device_events  # noqa: E402
+from benchmarks.harness import itemsize, normal, traced_program  # noqa: E402
 from blujax import kernels  # noqa: E402
 
 
 def kernel_us(fn, sets, trace_dir: str) -> dict[str, float]:
-    """Device time a call of each kernel fn runs, by kernel name (compiled and run twice
-    before the traced run)."""
-    program = jax.jit(lambda s: [fn(*a) for a in s])
-    for _ in range(2):
-        jax.block_until_ready(program(sets))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(program(sets))
+    """Device time a call of each kernel fn runs, by kernel name."""
     total = collections.Counter()
-    for _, dur, name in trace_device_events(trace_dir):
+    for _, dur, name in traced_program(fn, sets, trace_dir):
         total[name] += dur / len(sets)
     return dict(total)
 
