@@ -150,25 +150,12 @@ __device__ __forceinline__ Pack<T> PackFromFloats(const float (&f)[Pack<T>::kSiz
   return out;
 }
 
-// Streaming variants for data touched once (activations): they bypass L1 and are evicted from
-// L2 first, so the small, reused operands (weights, biases) stay cached.
-template <typename T>
-__device__ __forceinline__ Pack<T> LoadPackStream(const T* p) {
-  Pack<T> out;
-  *reinterpret_cast<uint4*>(&out) = __ldcs(reinterpret_cast<const uint4*>(p));
-  return out;
-}
-
-template <typename T>
-__device__ __forceinline__ void StorePackStream(T* p, const Pack<T>& v) {
-  __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
-}
-
 // Loads and stores that do not allocate in L1 and keep L2's default policy, for rows read or
-// written once. In the LayerNorm kernels on an H100, against the streaming forms above
-// (benchmarks/RESULTS.md): forward 2-4% faster at C = 768 and 2% at bfloat16 C = 3072 (2%
-// slower at bfloat16 C = 4096), backward up to 2% faster; plain write-back stores were up to
-// 3% slower than either in the bfloat16 backward.
+// written once. In the LayerNorm kernels on an H100 (benchmarks/RESULTS.md) they beat the
+// streaming forms (__ldcs, __stcs: evict-first) that the kernels used before: forward 2-4%
+// faster at C = 768 and 2% at bfloat16 C = 3072 (1% slower at bfloat16 C = 4096), backward up
+// to 2% faster; plain write-back stores were up to 3% slower than either in the bfloat16
+// backward.
 template <typename T>
 __device__ __forceinline__ Pack<T> LoadPackNoL1(const T* p) {
   Pack<T> out;
