@@ -20,10 +20,11 @@ from tests.util import assert_close, cpu_float64, mesh_devices, randn
 DTYPES = [jnp.float32, jnp.bfloat16]
 # C = 1, 3 and 1001 take the any-shape path, 40000 is wider than the register path holds; the
 # leading shapes give rows that are not multiples of any block size (1 to 4099 rows; on a GPU,
-# 4099 rows of 768 make the backward's blocks take several rows each).
+# 4099 rows of 768 and 1100 of 2048 make the backward's groups take several rows each).
 SHAPES = [
     (1,), (5, 1), (7, 3), (3, 5, 3), (768,), (1037, 768), (4099, 768), (2, 3, 5, 768),
-    (11, 1000), (3, 5, 1000), (2, 1001), (33, 3072), (4096,), (2, 9, 4096), (3, 40000),
+    (11, 1000), (3, 5, 1000), (2, 1001), (1100, 2048), (33, 3072), (4096,), (2, 9, 4096),
+    (5, 6000), (3, 40000),
 ]
 
 
@@ -76,11 +77,12 @@ def test_add_layer_norm_values_and_grads(rng, shape, dtype):
         assert_close(g, ref, dtype, factor=2)
 
 
-# C = 1, 3, 1001 and 40000 take the any-shape paths; 768, 1000 and 2048 the register paths (one
-# and several groups a block); leading ranks 0 to 3, odd row counts (4099: the backward's blocks
-# loop on a GPU).
+# C = 1, 3, 1001 and 40000 take the any-shape paths; 768, 1000 and 2048 the register paths with
+# several groups a backward block, 6000 with one; leading ranks 0 to 3, odd row counts (4099
+# and 1100: the backward's groups loop on a GPU).
 XBIAS_SHAPES = [(1,), (5, 1), (7, 3), (3, 5, 3), (768,), (1037, 768), (4099, 768),
-                (2, 3, 5, 768), (11, 1000), (3, 5, 1000), (2, 1001), (9, 2048), (3, 40000)]
+                (2, 3, 5, 768), (11, 1000), (3, 5, 1000), (2, 1001), (9, 2048), (1100, 2048),
+                (3, 6000), (3, 40000)]
 
 
 def _add_bias(f, eps=1e-5):

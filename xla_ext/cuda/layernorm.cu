@@ -240,12 +240,14 @@ LayerNormFwdAnyKernel(const T* x, const T* __restrict__ x_bias, const T* __restr
 }
 
 // ----------------------------------------------------------------------------------------------
-// Threads of a backward block: narrow groups (a warp or two a row) share a block of 512
-// threads, so a multiprocessor holds one or two blocks and leaves as many partial rows of
-// dweight/dbias, not five or more (bfloat16 32768 x 768: 62% -> 71% of copy, with 32 elements a
-// thread); wider groups, one or a few a block.
+// Threads of a backward block: groups share a block of at least 512 threads, so a
+// multiprocessor holds one or two blocks and leaves as many partial rows of dweight/dbias, not
+// four or more. Every block writes its partial row as the grid ends, and the second kernel
+// reads them all: on an H100, narrow groups (a warp or two a row) went from 62% to 71% of copy
+// at bfloat16 32768 x 768 (with 32 elements a thread), and groups of 128 threads (C = 1600 and
+// 2048; a block each before) 3-5% faster, their add-bias variant 3-7%.
 template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
-  return kGroup <= 64 ? 512 : kGroup < 128 ? 128 : kGroup;
+  return kGroup < 512 ? 512 : kGroup;
 }
 // Elements of dy (and of x) a backward thread keeps in registers: 16, in twice as many threads
 // as 32 would need, each held to 64 registers so that 1024 threads fit a multiprocessor (with
@@ -316,9 +318,10 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     else return LoadPack(weight + p * kPack);
   };
 
-  // Narrow rows (several groups a block) read dy and x through the read-only path, wide rows
-  // without allocating in L1: on an H100 each was the faster where it is used (1-2%), and the
-  // read-only path 1.7% slower than the other at two of the four wide shapes measured.
+  // Rows of several groups a block read dy and x through the read-only path, a row a block
+  // (C > 4096) without allocating in L1: on an H100 each was the faster where it is used, by
+  // 1-2% (the read-only path 1.7% slower at C = 3072 and 4096 when those took a block a row;
+  // with several a block, 0.4-1% faster than loads without L1 allocation).
   auto load_row = [](const T* p) {
     if constexpr (kGroups > 1) return LoadPack(p);
     else return LoadPackNoL1(p);
