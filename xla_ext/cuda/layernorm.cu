@@ -318,10 +318,10 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
     else return LoadPack(weight + p * kPack);
   };
 
-  // Rows of several groups a block read dy and x through the read-only path, a row a block
-  // (C > 4096) without allocating in L1: on an H100 each was the faster where it is used, by
-  // 1-2% (the read-only path 1.7% slower at C = 3072 and 4096 when those took a block a row;
-  // with several a block, 1-2% faster than loads without L1 allocation, across two runs).
+  // Rows of several groups a block read dy and x through the read-only path: on an H100 1-2%
+  // faster there than loads without L1 allocation (across two runs). A row a block (C > 4096)
+  // keeps the loads without L1 allocation, which were the faster when C = 3072 and 4096 took a
+  // block a row (the read-only path 1.7% slower then); C > 4096 itself is not measured.
   auto load_row = [](const T* p) {
     if constexpr (kGroups > 1) return LoadPack(p);
     else return LoadPackNoL1(p);
