@@ -19,12 +19,15 @@ from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 # C = 1, 3 and 1001 take the any-shape path, 40000 is wider than the register path holds; the
-# leading shapes give rows that are not multiples of any block size (1 to 4099 rows; on a GPU,
-# 4099 rows of 768 and 1100 of 2048 make the backward's groups take several rows each).
+# leading shapes give rows that are not multiples of any block size (1 to 4300 rows; on a GPU,
+# 4099 rows of 768 and 1100 of 2048 make the backward's groups take several rows each). On a
+# GPU, bfloat16 C = 200, 264, 768 and 1000 take the pack-a-thread backward with groups of 1 to
+# 4 warps, the row's last warp partly past its end at 200, 264 and 1000 (4300 and 2500 rows
+# make those groups loop).
 SHAPES = [
-    (1,), (5, 1), (7, 3), (3, 5, 3), (768,), (1037, 768), (4099, 768), (2, 3, 5, 768),
-    (11, 1000), (3, 5, 1000), (2, 1001), (1100, 2048), (33, 3072), (4096,), (2, 9, 4096),
-    (5, 6000), (3, 40000),
+    (1,), (5, 1), (7, 3), (3, 5, 3), (4300, 200), (2500, 264), (768,), (1037, 768), (4099, 768),
+    (2, 3, 5, 768), (11, 1000), (3, 5, 1000), (2, 1001), (1100, 2048), (33, 3072), (4096,),
+    (2, 9, 4096), (5, 6000), (3, 40000),
 ]
 
 
@@ -57,8 +60,8 @@ def test_layer_norm_values_and_grads(rng, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(3,), (7, 3), (1037, 768), (2, 3, 5, 768), (2, 1001),
-                                   (2, 9, 4096), (3, 40000)], ids=str)
+@pytest.mark.parametrize("shape", [(3,), (7, 3), (2500, 264), (1037, 768), (2, 3, 5, 768),
+                                   (2, 1001), (2, 9, 4096), (3, 40000)], ids=str)
 def test_add_layer_norm_values_and_grads(rng, shape, dtype):
     x, r = randn(rng, shape, dtype), randn(rng, shape, dtype, 3.0)
     w, b = _params(rng, shape[-1], dtype)
