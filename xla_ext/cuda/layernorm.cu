@@ -9,9 +9,9 @@
 // and adds each thread's share of dweight/dbias into its group's slice of shared memory across
 // all the rows the group visits (bfloat16 rows of C <= 1024: into registers, a pack a thread);
 // blocks (one wave of them) leave one partial row each in the workspace and a second, small
-// kernel sums those. Rows whose width or alignment does not allow
-// 16-byte packs, or wider than the register budget, take a plain block-per-row path that
-// re-reads the row from memory (correct for any shape, not tuned).
+// kernel sums those. Rows whose width or alignment does not allow 16-byte packs, or wider than
+// the register budget, take a plain block-per-row path that re-reads the row from memory
+// (correct for any shape, not tuned).
 //
 // The add-bias variant (kXBias) folds in the preceding matmul's bias: sum = x + x_bias + residual,
 // and its backward accumulates dx_bias (the column sums of dx = dsum + the LayerNorm's own dx) as
@@ -420,8 +420,9 @@ LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T
 // (C = 768 is 96 packs: 3 warps, where the register path's 64-thread groups leave half of the
 // second packs empty). At the end the block's groups sum their registers through shared memory
 // into the block's partial row. On an H100, against the register path: 3-7% faster at C = 256,
-// 512, 768 and 1024; groups of 12 and 16 warps (C = 3072, 4096) were 3-10% slower, the
-// barriers of a row then spanning too many warps.
+// 512, 768 and 1024; groups of 12 and 16 warps (C = 3072, 4096) were about 11% and 5% slower
+// (against the register path's figures of earlier runs), a row's barriers then spanning too
+// many warps.
 template <typename T, int kWarps, int kGroups>
 __global__ void __launch_bounds__(kWarps * 32 * kGroups, 2)
 LayerNormBwdPackKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
