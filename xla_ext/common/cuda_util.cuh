@@ -166,6 +166,17 @@ __device__ __forceinline__ Pack<T> LoadPackNoL1(const T* p) {
   return out;
 }
 
+// A pack from shared memory at a 32-bit address (see CopyAsync16At).
+template <typename T>
+__device__ __forceinline__ Pack<T> LoadSharedPack(uint32_t smem) {
+  Pack<T> out;
+  uint4& r = *reinterpret_cast<uint4*>(&out);
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(smem));
+  return out;
+}
+
 template <typename T>
 __device__ __forceinline__ void StorePackNoL1(T* p, const Pack<T>& v) {
   const uint4& r = *reinterpret_cast<const uint4*>(&v);
@@ -179,10 +190,15 @@ __device__ __forceinline__ void StorePackNoL1(T* p, const Pack<T>& v) {
 // CopyAsyncWait<N> returns once all but the newest N of its groups have landed. Each thread
 // waits only on its own copies, so a thread that reads back only what it copied needs no
 // barrier.
+// CopyAsync16At takes the shared-memory address as a 32-bit offset (__cvta_generic_to_shared),
+// which a loop can keep in one register instead of a generic pointer's two.
+__device__ __forceinline__ void CopyAsync16At(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+
 __device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+  CopyAsync16At(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem);
 #else
   *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
 #endif
