@@ -9,8 +9,10 @@ each implementation's program (the same cases and input sets as kernels.py) runs
 `jax.profiler.trace`, and the table gives per call: the device time from the program's first
 kernel to its last ("span") and the time kernels ran ("busy"), and the same for XLA's scale op
 moving the op's bytes ("copy"). "% copy" is the copy's span over the op's: the fraction of a
-plain copy's rate, in device time. Cases with a FLOP count (attention) are left out. Needs a
-GPU.
+plain copy's rate, in device time. "GB/s" is the op's byte count (as kernels.py counts it) over
+its span, and "% 2 GiB copy" divides that by kernels.py's copy figure (a 2 GiB scale op, timed
+in this run; at that size the host's dispatch is negligible). Cases with a FLOP count
+(attention) are left out. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from benchmarks.harness import default_calls, same_size_copy, traced_program  # noqa: E402
+from benchmarks.harness import (copy_bandwidth, default_calls, same_size_copy,  # noqa: E402
+                                traced_program)
 from benchmarks.kernels import ALL_OPS  # noqa: E402
 
 
@@ -40,8 +43,9 @@ def traced(fn, arg_sets, trace_dir: str) -> tuple[float, float, int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="layernorm",
-                   help=f"comma-separated ops (default layernorm; any of {', '.join(ALL_OPS)})")
+    p.add_argument("--ops", default=",".join(ALL_OPS),
+                   help=f"comma-separated ops (default: all of {', '.join(ALL_OPS)}; those "
+                        "with a FLOP count have no rows)")
     p.add_argument("--filter", default="",
                    help="keep only cases whose 'op dir shape dtype' contains this text")
     p.add_argument("--calls", type=int, default=0,
@@ -51,10 +55,12 @@ def main(argv=None) -> None:
     if jax.default_backend() != "gpu":
         raise SystemExit("device_time.py needs a GPU: it reads kernel times from the device")
     root = tempfile.mkdtemp(prefix="device_time_")
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    copy_bw = copy_bandwidth(2 << 30)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; 2 GiB copy "
+          f"{copy_bw / 1e9:.0f} GB/s")
     print("| op | dir | rows x C | dtype | ours us | XLA us | copy us | ours % copy | "
-          "XLA % copy | ours busy % | ours kernels |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "XLA % copy | ours busy % | ours kernels | ours GB/s | ours % 2 GiB copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for op in a.ops.split(","):
         if op not in ALL_OPS:
             p.error(f"unknown op {op!r}; choose from {', '.join(ALL_OPS)}")
@@ -75,10 +81,11 @@ def main(argv=None) -> None:
             copy = traced(fn, sets, f"{root}/copy_{name.replace(' ', '_')}")
             del sets
             ours, xla = us["ours"], us["xla"]
+            gbs = case.bytes / (ours[0] / calls) / 1e3  # bytes per us -> GB/s
             print(f"| {case.op} | {case.direction} | {case.shape} | {case.dtype} | "
                   f"{ours[0] / calls:.1f} | {xla[0] / calls:.1f} | {copy[0] / calls:.1f} | "
                   f"{copy[0] / ours[0]:.0%} | {copy[0] / xla[0]:.0%} | {ours[1] / ours[0]:.0%} "
-                  f"| {ours[2] / calls:.2f} |", flush=True)
+                  f"| {ours[2] / calls:.2f} | {gbs:.0f} | {gbs * 1e9 / copy_bw:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 # --tests SEL   what pytest runs on the GPU (default: tests), e.g. "tests/test_attention.py";
 #               "" runs no tests
 # --no-reruns   skip the reruns without CUDA graphs and on 8 emulated CPU devices
-# --no-kernels  skip the kernel benchmarks
+# --no-kernels  skip the kernel benchmarks (kernels.py, and without --quick device_time.py)
 # --train ARGS  also run benchmarks/train.py ARGS (GPT-2 step throughput)
 # --parallel ARGS  also run benchmarks/parallel.py ARGS (steps on several GPUs); repeatable,
 #               the rows of all of them make one table
@@ -98,6 +98,14 @@ if [ -n "$kernels" ]; then
   "$py" benchmarks/kernels.py $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
     || { tail -40 "$out/bench.log"; exit 1; }
 fi
+echo "(no device-time table)" >"$out/device_time.md"
+if [ -n "$kernels" ] && [ -z "$quick" ]; then
+  # The memory-bound ops again in device time (profiler spans): calls of tens of microseconds
+  # are partly host-bound in kernels.py's timing.
+  step "memory-bound kernels in device time"
+  "$py" benchmarks/device_time.py $ops >"$out/device_time.md" 2>"$out/device_time.log" \
+    || { tail -40 "$out/device_time.log"; exit 1; }
+fi
 echo "(no train benchmark)" >"$out/train.md"
 if [ -n "$train" ]; then
   step "GPT-2 train-step benchmark"
@@ -127,6 +135,7 @@ echo "tests, portable:   $(tail -1 "$out/tests_gpu_portable.log") (exit $portabl
 echo "tests on CPU mesh: $(tail -1 "$out/tests_cpu.log") (exit $cpu_status)"
 echo "compute-sanitizer: $sanitizer_status"
 cat "$out/kernels.md"
+cat "$out/device_time.md"
 cat "$out/train.md"
 cat "$out/parallel.md"
 ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
