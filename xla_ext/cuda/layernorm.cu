@@ -469,10 +469,11 @@ LayerNormBwdPackKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
     m_next = mean[row];
     rs_next = rstd[row];
   }
-  for (uint32_t at = stage0; row < rows; row += stride, at = at == stage0 ? at + kStage : stage0) {
+  auto other = [&](uint32_t at) { return at == stage0 ? at + kStage : stage0; };
+  for (uint32_t at = stage0; row < rows; row += stride, at = other(at)) {
     const int64_t off = row * cols + col0;
     // The other stage was read in the previous step (its values were used there).
-    stage_row(row + stride, at == stage0 ? at + kStage : stage0);
+    stage_row(row + stride, other(at));
     const float m = m_next, rs = rs_next;
     if (row + stride < rows) {
       m_next = mean[row + stride];
