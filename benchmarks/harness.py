@@ -28,8 +28,9 @@ class Case:
     """One row of the table: an op, one direction, one shape and dtype, and its contenders.
 
     make(impl, key) returns (fn, args): fn(*args) runs the op once with impl ("ours", "xla",
-    or another name in impls); bytes is the fewest bytes the op must move (each input read
-    once, each output written once). donate: the timed program donates its inputs, as a
+    or another name in impls; a fn wrapped in TorchFn is a PyTorch contender, its args torch
+    tensors); bytes is the fewest bytes the op must move (each input read once, each output
+    written once). donate: the timed program donates its inputs, as a
     train step donates its state (for ops that update buffers in place); fn should then return
     its outputs in the order of the inputs they replace, since JAX pairs donated inputs with
     outputs of the same shape and dtype in order.
@@ -52,6 +53,21 @@ class Case:
     flops: int = 0
     optional: Sequence[str] = ()
     calls: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchFn:
+    """A contender written in PyTorch, a peer framework rather than JAX: fn(*args) takes torch
+    tensors (to_torch) and runs eagerly, so run_case times it with time_torch, not time_op."""
+
+    fn: Callable
+
+
+def to_torch(x: jax.Array, requires_grad: bool = False):
+    """A torch tensor sharing x's memory on x's device (DLPack: no copy)."""
+    import torch
+
+    return torch.from_dlpack(jax.block_until_ready(x)).requires_grad_(requires_grad)
 
 
 def default_calls(bytes_per_call: int) -> int:
@@ -96,6 +112,30 @@ def time_op(fn, make_args, bytes_per_call: int, samples: int = 7, calls: int | N
     return statistics.median(times)
 
 
+def time_torch(fn, make_args, calls: int, samples: int = 7, programs: int = 4) -> float:
+    """Median seconds per call of a PyTorch fn(*args), timed as time_op times a JAX program:
+    `calls` input sets, `programs` passes over them queued back to back per sample, the clock
+    stopped once the device is done. PyTorch dispatches each op from the host as it goes, so its
+    per-call host work overlaps the device's work on the calls before it."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    arg_sets = [make_args(i) for i in range(calls)]
+    for args in arg_sets:  # warm up: kernel choice, the caching allocator's pools
+        out = fn(*args)
+    sync()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(programs):
+            for args in arg_sets:
+                out = fn(*args)
+        sync()
+        times.append((time.perf_counter() - t0) / (programs * calls))
+    del out
+    return statistics.median(times)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device bandwidth in bytes/s of a 2 GiB scale op (read once, write once)."""
     n = nbytes // 4
@@ -131,8 +171,15 @@ def run_case(case: Case, copy_bw: float, seed: int = 0) -> dict:
     for impl in case.impls:
         try:
             fn, _ = case.make(impl, jax.random.key(seed))
-            seconds = time_op(fn, lambda i: case.make(impl, jax.random.key(seed + i))[1],
-                              case.bytes, calls=case.calls, donate=case.donate)
+
+            def make_args(i, impl=impl):
+                return case.make(impl, jax.random.key(seed + i))[1]
+
+            if isinstance(fn, TorchFn):
+                seconds = time_torch(fn.fn, make_args, case.calls or default_calls(case.bytes))
+            else:
+                seconds = time_op(fn, make_args, case.bytes, calls=case.calls,
+                                  donate=case.donate)
         except Exception as e:  # noqa: BLE001 - any failure of an optional contender is a note
             if impl not in case.optional:
                 raise

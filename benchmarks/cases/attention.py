@@ -1,9 +1,14 @@
-"""Attention, bfloat16: ours vs cuDNN's flash attention and XLA, in TFLOP/s.
+"""Attention, bfloat16: ours vs cuDNN's flash attention, PyTorch's and XLA, in TFLOP/s.
 
 Contenders: "ours" is blujax.kernels.attention; "cudnn" is
 jax.nn.dot_product_attention(implementation="cudnn") (GPU only; noted as skipped elsewhere);
-"xla" is jax.nn.dot_product_attention(implementation="xla"), which materialises the [T, T]
-scores (and may not fit at the longest sequences: noted as skipped).
+"torch" is PyTorch's torch.nn.functional.scaled_dot_product_attention with its default choice
+of kernel, on the same inputs (shared through DLPack, [B, T, H, D] viewed as [B, H, T, D]
+without a copy), where PyTorch is installed (it is not a dependency of blujax) and, beside a
+GPU, built with CUDA; "xla" is jax.nn.dot_product_attention(implementation="xla"), which
+materialises the [T, T] scores (and may not fit at the longest sequences: noted as skipped).
+PyTorch allocates outside JAX's memory pool: leave it room (XLA_PYTHON_CLIENT_MEM_FRACTION=.92
+leaves 6 GB of an 80 GB GPU, enough here).
 
 Shapes: 65536 tokens per call (B = 65536 / T) at T = 1024 to 8192, H = 12 heads of D = 64
 (GPT-2) and of D = 128, so B * H runs from 768 down to 96. FLOPs count the two matrix
@@ -11,10 +16,12 @@ products of the forward, 4 B H T^2 D, halved when causal (the masked half is nev
 fwd+bwd counts 3.5 times that (the backward's five products are 2.5 forwards).
 """
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import Case, itemsize, normal
+from benchmarks.harness import Case, TorchFn, itemsize, normal, to_torch
 from blujax import kernels
 
 TOKENS = 65536
@@ -38,6 +45,40 @@ def _fwd_bwd(op):
     return run
 
 
+def _torch_available(on_gpu: bool) -> bool:
+    """Whether PyTorch can run beside us: installed, and with CUDA where we run on a GPU."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available() or not on_gpu
+
+
+def _torch_impl(causal, fwd_bwd):
+    import torch
+    import torch.nn.functional as F
+
+    def op(q, k, v):  # [B, T, H, D] tensors; PyTorch's layout is [B, H, T, D]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=causal)
+        return out.transpose(1, 2)
+
+    def run(q, k, v, dout):
+        return torch.autograd.grad(op(q, k, v), (q, k, v), dout)
+
+    return TorchFn(run if fwd_bwd else op)
+
+
+def _make(impl, key, b, t, h, d, dtype, causal, fwd_bwd):
+    args = _inputs(key, b, t, h, d, dtype, fwd_bwd)
+    if impl == "torch":
+        # q, k and v are leaves that need gradients; dout is not
+        return (_torch_impl(causal, fwd_bwd),
+                tuple(to_torch(x, requires_grad=fwd_bwd and i < 3) for i, x in enumerate(args)))
+    op = _impl(impl, causal)
+    return (_fwd_bwd(op) if fwd_bwd else op), args
+
+
 def _inputs(key, b, t, h, d, dtype, with_dout):
     keys = jax.random.split(key, 4)
     qkv = tuple(normal(kk, (b, t, h, d), dtype) for kk in keys[:3])
@@ -47,8 +88,10 @@ def _inputs(key, b, t, h, d, dtype, with_dout):
 def cases(quick: bool = False):
     dtype = jnp.bfloat16
     on_gpu = jax.default_backend() == "gpu"
-    # cuDNN only where there is a GPU; there it is optional too (a shape it rejects is a note).
-    impls = ("ours", "cudnn", "xla") if on_gpu else ("ours", "xla")
+    # cuDNN only where there is a GPU; there it is optional too (a shape it rejects is a note),
+    # as PyTorch is.
+    impls = ("ours", "cudnn") if on_gpu else ("ours",)
+    impls += ("torch", "xla") if _torch_available(on_gpu) else ("xla",)
     shapes = QUICK if quick else [(TOKENS // t, t, HEADS, d) for d in HEAD_DIMS for t in SEQ_LENS]
     out = []
     for b, t, h, d in shapes:
@@ -56,15 +99,15 @@ def cases(quick: bool = False):
             s = itemsize(dtype)
 
             def make_fwd(impl, key, b=b, t=t, h=h, d=d, causal=causal):
-                return _impl(impl, causal), _inputs(key, b, t, h, d, dtype, False)
+                return _make(impl, key, b, t, h, d, dtype, causal, False)
 
             def make_fwd_bwd(impl, key, b=b, t=t, h=h, d=d, causal=causal):
-                return _fwd_bwd(_impl(impl, causal)), _inputs(key, b, t, h, d, dtype, True)
+                return _make(impl, key, b, t, h, d, dtype, causal, True)
 
             name = f"B{b} T{t} H{h} D{d}{' causal' if causal else ''}"
             fwd_flops = 4 * b * h * t * t * d // (2 if causal else 1)
             tensor = b * t * h * d * s
-            common = dict(impls=impls, optional=("cudnn", "xla"), calls=4)
+            common = dict(impls=impls, optional=("cudnn", "torch", "xla"), calls=4)
             # bytes (for reference only): q, k, v read and out written; the backward also
             # reads out and dout and writes dq, dk, dv
             out.append(Case("attention", "fwd", name, "bfloat16", 4 * tensor, make_fwd,

@@ -1,0 +1,60 @@
+"""The benchmark harness (benchmarks/): each attention contender computes the op ours does,
+on the same inputs, and a case times into a table row. Values and row contents only: speed is
+measured by benchmarks/kernels.py on a GPU, never asserted here."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.cases import attention  # noqa: E402
+from benchmarks.harness import TorchFn, run_case  # noqa: E402
+
+CASES = attention.cases(quick=True)
+
+
+def _floats(x):
+    """float32 numpy arrays of a JAX or PyTorch result (an array or a tuple of them)."""
+    if isinstance(x, (tuple, list)):
+        return [a for y in x for a in _floats(y)]
+    if hasattr(x, "detach"):  # a torch tensor
+        return [x.detach().float().cpu().numpy()]
+    return [np.asarray(jnp.asarray(x, jnp.float32))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.direction} {c.shape}")
+def test_attention_contenders_agree(case):
+    def run(impl):
+        fn, args = case.make(impl, jax.random.key(0))
+        return _floats(fn.fn(*args) if isinstance(fn, TorchFn) else fn(*args))
+
+    ours = run("ours")
+    assert len(ours) == (3 if case.direction == "fwd+bwd" else 1)
+    compared = 0
+    for impl in case.impls[1:]:
+        try:
+            theirs = run(impl)
+        except Exception:  # noqa: BLE001 - an optional contender may refuse a shape
+            if impl in case.optional and impl != "xla":
+                continue
+            raise
+        assert len(theirs) == len(ours), impl
+        for a, b in zip(theirs, ours):
+            # bfloat16 results: a layout or masking mistake is off by O(1), rounding by 1e-2
+            np.testing.assert_allclose(a, b, atol=3e-2 * np.abs(b).max(), rtol=3e-2,
+                                       err_msg=impl)
+        compared += 1
+    assert compared >= 1  # at least XLA's attention, which runs everywhere
+
+
+def test_attention_case_times_into_a_row():
+    case = next(c for c in CASES if c.direction == "fwd" and "causal" not in c.shape)
+    row = run_case(case, copy_bw=1e12)
+    assert row["ours_tflops"] > 0 and row["ours_us"] > 0
+    for impl in case.impls[1:]:
+        assert f"{impl}_tflops" in row or f"{impl}_skipped" in row, impl
