@@ -35,8 +35,9 @@
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first (the Hopper forward pairs the longest with the
-// shortest in one CTA). Blocks are numbered tile-fastest within one
-// (batch, head), so the CTAs resident together read the same K and V from L2.
+// shortest in one CTA, or in one unit of a persistent CTA's work at D = 128). Blocks are
+// numbered tile-fastest within one (batch, head), so the CTAs resident together read the same
+// K and V from L2.
 //
 // float32 must match a float32 reference (no TF32), so it runs on plain FMAs: a SIMT kernel
 // of the same three-kernel shape where D/16 threads share a row, 16 columns each.
@@ -232,7 +233,9 @@ ffi::Error TileMap(const char* op, CUtensorMap* map, const void* data, int64_t b
   return ffi::Error::Success();
 }
 
-template <typename C>
+// The Hopper forward: kPersistent, AttentionFwdSm90PersistentKernel on one CTA per
+// multiprocessor; otherwise AttentionFwdSm90Kernel on one CTA per block (or pair of blocks).
+template <typename C, bool kPersistent>
 ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          const Geometry& g, SmemOptIn& opt) {
@@ -248,9 +251,19 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   // 192-row block's 64-row remainder would otherwise run 8 tiles on one warpgroup).
   const int lead = g.causal ? (C::kBM - g.tq % C::kBM) % C::kBM / 64 * 64 : 0;
   const int n_qt = (g.tq + lead + C::kBM - 1) / C::kBM;
-  const int64_t ctas = (n_qt + C::kTiles - 1) / C::kTiles * bh;
-  return LaunchWith(op, AttentionFwdSm90Kernel<C>, opt, ctas, C::kThreads, C::kSmem, stream,
-                    device, maps, static_cast<bf16*>(out), lse, g, n_qt, lead);
+  if (n_qt == 0) return ffi::Error::Success();
+  if constexpr (kPersistent) {
+    // Units of work (see UnitBlocks): fewer than 2^31, as CheckGpuLimits bounds the blocks.
+    const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
+    const int64_t ctas = std::min<int64_t>(units, SmCount(device));
+    return LaunchWith(op, AttentionFwdSm90PersistentKernel<C>, opt, ctas, C::kThreads,
+                      C::kSmem, stream, device, maps, static_cast<bf16*>(out), lse, g,
+                      static_cast<int>(units), n_qt, lead);
+  } else {
+    const int64_t ctas = (n_qt + C::kTiles - 1) / C::kTiles * bh;
+    return LaunchWith(op, AttentionFwdSm90Kernel<C>, opt, ctas, C::kThreads, C::kSmem, stream,
+                      device, maps, static_cast<bf16*>(out), lse, g, n_qt, lead);
+  }
 }
 
 template <int D>
@@ -258,14 +271,23 @@ ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          const Geometry& g) {
   static SmemOptIn opt, opt_sm90, opt_sm90_pairs;
-  if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>>, device)) {
+  if constexpr (D == 128) {
+    // Persistent CTAs. Measured on an H100 against a CTA per block (pairs when causal), the
+    // sums of 3 interleaved rounds: 1.05 / 1.02 / 1.00 / 1.00x at T = 1024 / 2048 / 4096 /
+    // 8192, causal 1.07 / 1.04 / 1.01 / 1.02x. At D = 64 the same kernel ran 4-6% slower (its
+    // three warpgroups have 160 registers each, and it spills), so D = 64 keeps a CTA a block.
+    if (Sm90Runs(AttentionFwdSm90PersistentKernel<FwdSm90<D, 2>>, device))
+      return LaunchFwdSm90<FwdSm90<D, 2>, true>(op, stream, device, bh, q, k, v, out, lse, g,
+                                                opt_sm90);
+  } else if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>>, device)) {
     // Causal: a CTA per pair of query blocks (see FwdBlocks). Measured on an H100, median of
     // 4 rounds: forward 2.5% faster at T = 1024, within 1% either way at T >= 2048; pairs of
     // non-causal blocks ran 0-3% slower.
     if (g.causal)
-      return LaunchFwdSm90<FwdSm90<D, 2>>(op, stream, device, bh, q, k, v, out, lse, g,
-                                          opt_sm90_pairs);
-    return LaunchFwdSm90<FwdSm90<D>>(op, stream, device, bh, q, k, v, out, lse, g, opt_sm90);
+      return LaunchFwdSm90<FwdSm90<D, 2>, false>(op, stream, device, bh, q, k, v, out, lse, g,
+                                                 opt_sm90_pairs);
+    return LaunchFwdSm90<FwdSm90<D>, false>(op, stream, device, bh, q, k, v, out, lse, g,
+                                            opt_sm90);
   }
   using C = FwdBf16<D>;
   const int n_qt = (g.tq + C::kBM - 1) / C::kBM;

@@ -22,6 +22,9 @@
 // so every CTA has the same number of key tiles, and the second block's Q and first K/V tiles
 // load while the first block's output is written. Each block has its own Q buffer; K and V
 // stream through the same two buffers without a pause between the blocks.
+// At D = 128 the forward is persistent instead (AttentionFwdSm90PersistentKernel): a CTA per
+// multiprocessor takes blocks (causal: pairs) in turn, and a block's last product and output
+// overlap the next block's first product.
 
 #pragma once
 
@@ -100,6 +103,76 @@ __device__ __forceinline__ void SoftmaxStep(float (&s)[BN / 8][4], float (&m)[2]
   }
 }
 
+// In the warpgroup's turn (taken): issues S_j = Q K_j^T and, when has_prev, O += P_{j-1}
+// V_{j-1}, passes the turn on, and waits for S_j.
+template <int BN, int D, int BM, typename TurnsT>
+__device__ __forceinline__ void FwdIssue(float (&s)[BN / 8][4], float (&o)[D / 8][4],
+                                         const uint32_t (&p)[BN / 16][4], const bf16* q,
+                                         const bf16* k, const bf16* v, bool has_prev,
+                                         const TurnsT& turns, int jj) {
+  IssueRowsByRows<BN, D, BM>(s, q, k);
+  if (has_prev) {
+    IssueAccumulate<BN, D>(o, p, v);
+    turns.Pass(jj);
+    WgmmaWait<1>();
+  } else {
+    turns.Pass(jj);
+    WgmmaWait<0>();
+  }
+}
+
+// The rest of key tile j once S_j is done (and O += P_{j-1} V_{j-1} issued, when has_prev):
+// K_j's buffer back, the online softmax on S_j while that product runs, then V_{j-1}'s buffer
+// back, O rescaled and P_j made into the operands of the next product.
+template <int BN, int D>
+__device__ __forceinline__ void FwdTileRest(float (&o)[D / 8][4], float (&s)[BN / 8][4],
+                                            uint32_t (&p)[BN / 16][4], float (&m)[2],
+                                            float (&l)[2], uint64_t* k_empty, uint64_t* v_empty,
+                                            bool has_prev, const Geometry& g, int k0, int row0,
+                                            int lane) {
+  MbarArrive(k_empty, lane == 0);
+  FenceRegs(s);
+  float alpha[2];
+  SoftmaxStep<BN>(s, m, l, alpha, g, k0, row0, lane / 4, lane % 4);
+  WgmmaWait<0>();
+  FenceRegs(o);
+  FenceRegs(p);
+  MbarArrive(v_empty, lane == 0 && has_prev);
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    o[dn][0] *= alpha[0];
+    o[dn][1] *= alpha[0];
+    o[dn][2] *= alpha[1];
+    o[dn][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) AccToOperand(p[kk], s, kk);
+}
+
+// A warp's rows [wrow, wrow + 16) of a block at row q0 of (batch, head) bh, done: O
+// normalised, staged as bfloat16 in the same rows of `staged` (a Q buffer), written to `out` in
+// whole 16-byte chunks; the log-sum-exp to `lse`. Rows before 0 or past the end are not written.
+template <int BM, int D>
+__device__ __forceinline__ void FwdWriteRows(const float (&o)[D / 8][4], const float (&m)[2],
+                                             const float (&l)[2], bf16* staged, bf16* out,
+                                             float* lse, int64_t bh, int q0, const Geometry& g,
+                                             int wrow, int lane) {
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(kFull, sum, 1);
+    sum += __shfl_xor_sync(kFull, sum, 2);
+    inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = q0 + wrow + lane / 4 + 8 * r;
+    if (lane % 4 == 0 && row >= 0 && row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(sum)) * kLn2;
+  }
+  StageRows<BM, D>(staged, o, wrow, inv, lane);
+  __syncwarp();
+  StoreRows<BM, D>(out + HeadOffset<D>(bh, g.tq, g.heads), staged, wrow, q0, g.tq,
+                   int64_t(g.heads) * D, lane);
+}
+
 // The blocks of query rows a CTA takes, in order: one, or with C::kTiles = 2 block p and block
 // n_qt - 1 - p (the launcher pairs causal calls' blocks, so that every CTA has the same number
 // of key tiles; with n_qt odd the middle block is alone). Returns how many.
@@ -175,8 +248,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   SetMaxRegs<C::kConsumerRegs>();
 
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-  const int gr = lane / 4, t4 = lane % 4;  // accumulator row group and column pair
-  const int wrow = wg * 64 + warp * 16;    // this warp's first row in the block
+  const int wrow = wg * 64 + warp * 16;  // this warp's first row in the block
   // One arrival per consumer warp, after the wgmma wait that ends its use of the buffer.
   auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
   const Turns<C::kWarpgroups> turns(wg, n_kt_0 + n_kt_1);
@@ -204,32 +276,9 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
       if (j > 0) MbarWait(pipe.v_full + prev, ((jj - 1) >> 1) & 1);
       turns.Take();
       WgmmaFence();
-      IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);  // S_j = Q K_j^T
-      if (j > 0) {
-        IssueAccumulate<BN, D>(o, p, sV + prev * BN * D);  // O += P_{j-1} V_{j-1}
-        turns.Pass(jj);
-        WgmmaWait<1>();
-      } else {
-        turns.Pass(jj);
-        WgmmaWait<0>();
-      }
-      release(pipe.k_empty + buf);
-      FenceRegs(s);
-      float alpha[2];
-      SoftmaxStep<BN>(s, m, l, alpha, g, j * BN, q0t + wrow, gr, t4);
-      WgmmaWait<0>();
-      FenceRegs(o);
-      FenceRegs(p);
-      if (j > 0) release(pipe.v_empty + prev);
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        o[dn][0] *= alpha[0];
-        o[dn][1] *= alpha[0];
-        o[dn][2] *= alpha[1];
-        o[dn][3] *= alpha[1];
-      }
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) AccToOperand(p[kk], s, kk);
+      FwdIssue<BN, D, BM>(s, o, p, sQw, sK + buf * BN * D, sV + prev * BN * D, j > 0, turns, jj);
+      FwdTileRest<BN, D>(o, s, p, m, l, pipe.k_empty + buf, pipe.v_empty + prev, j > 0, g,
+                         j * BN, q0t + wrow, lane);
     }
     if (n_own > 0) {
       const int jj = first + n_own - 1, last = jj & 1;
@@ -252,23 +301,223 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
       release(pipe.v_empty + buf);
     }
 
-    // Normalise, stage this warp's rows in its own rows of the block's Q buffer (only its
-    // warpgroup read them, and its MMAs are done), and write whole 16-byte chunks.
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = l[r];
-      sum += __shfl_xor_sync(kFull, sum, 1);
-      sum += __shfl_xor_sync(kFull, sum, 2);
-      inv[r] = sum > 0.f ? 1.f / sum : 0.f;
-      const int row = q0t + wrow + gr + 8 * r;
-      if (t4 == 0 && row >= 0 && row < g.tq) lse[bh * g.tq + row] = (m[r] + log2f(sum)) * kLn2;
-    }
-    StageRows<BM, D>(sQt, o, wrow, inv, lane);
-    __syncwarp();
-    StoreRows<BM, D>(out + HeadOffset<D>(bh, g.tq, g.heads), sQt, wrow, q0t, g.tq,
-                     int64_t(g.heads) * D, lane);
+    // Staged in this warp's own rows of the block's Q buffer: only its warpgroup read them,
+    // and its products are done.
+    FwdWriteRows<BM, D>(o, m, l, sQt, out, lse, bh, q0t, g, wrow, lane);
   }
+#endif  // BLUJAX_WGMMA
+}
+
+
+// The persistent forward: gridDim.x CTAs (one per multiprocessor) take units of work in turn,
+// u = blockIdx.x, blockIdx.x + gridDim.x, ...: a unit is a block of query rows (non-causal) or
+// the pair of blocks n_qt - 1 - p and p (causal, so every unit has the same key tiles). Blocks
+// alternate between two Q buffers, and K and V stream through their two buffers without a
+// pause between blocks. A warpgroup issues a block's last product O += P V together with the
+// next block's first S = Q K^T, and writes the block's output (`finish`) while S is on the
+// tensor cores. Where its rows end before the block's last key tile (causal), it finishes the
+// block at once instead, as the tiles it hands back reuse the buffer of that last V.
+
+// The blocks of unit u, in order; returns how many. Each (batch, head) starts its blocks at
+// another place in the row: CTA c takes units c, c + gridDim.x, ..., and where gridDim.x shares
+// a factor with the units of a (batch, head), the same CTAs would otherwise always get the
+// cheap ones (the partial last block, the causal middle block alone).
+__device__ __forceinline__ int UnitBlocks(const Geometry& g, int n_qt, int u, int* bh, int* qt0,
+                                          int* qt1) {
+  const int per_bh = g.causal ? (n_qt + 1) / 2 : n_qt;
+  *bh = u / per_bh;
+  const int k = (u % per_bh + *bh) % per_bh;
+  if (!g.causal) {
+    *qt0 = *qt1 = k;
+    return 1;
+  }
+  *qt1 = k;
+  *qt0 = n_qt - 1 - k;  // the longer of the two
+  return *qt0 == *qt1 ? 1 : 2;
+}
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, 1)
+AttentionFwdSm90PersistentKernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restrict__ out,
+                                 float* __restrict__ lse, Geometry g, int n_units, int n_qt,
+                                 int lead) {
+#ifdef BLUJAX_WGMMA
+  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN;
+  static_assert(C::kTiles == 2, "two Q buffers");
+  extern __shared__ uint4 smem_fwd_sm90[];
+  bf16* sQ = Aligned1024(smem_fwd_sm90);  // [2][BM][D]
+  bf16* sK = sQ + 2 * BM * D;            // [2][BN][D]
+  bf16* sV = sK + 2 * BN * D;            // [2][BN][D]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * BN * D);
+  const KvStream<2> pipe(bars);
+  // Q buffer b is full: pipe.q_full for b = 0, q_full_1 for b = 1; empty: q_empty[b].
+  uint64_t* q_full_1 = bars + KvStream<2>::kBarriers;
+  uint64_t* q_empty = q_full_1 + 1;
+  auto q_full = [&](int b) { return b == 0 ? pipe.q_full : q_full_1; };
+  constexpr int kConsumerWarps = C::kConsumers / 32;
+  if (threadIdx.x == 0) {
+    MbarInit(q_full_1, 1);
+    MbarInit(q_empty, kConsumerWarps);
+    MbarInit(q_empty + 1, kConsumerWarps);
+    pipe.Init(kConsumerWarps);
+  }
+  __syncthreads();
+
+  // Roles by warpgroup, read through a shuffle so the compiler knows they are warp-uniform.
+  const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
+  if (wg == C::kWarpgroups) {
+    // The producer: per block, its Q into the block's buffer once the block two before has
+    // written its output from there, then its K_j and V_j.
+    SetMaxRegs<C::kProducerRegs>();
+    if (threadIdx.x == C::kConsumers) {
+      int i = 0, first = 0;  // blocks and key tiles streamed so far
+      for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+        int bh, qt0, qt1;
+        const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
+        const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+        for (int t = 0; t < n_blocks; ++t, ++i) {
+          const int q0 = (t == 0 ? qt0 : qt1) * BM - lead, n_kt = KeyTiles(g, q0, BM, BN);
+          const int qb = i & 1;
+          if (i >= 2) MbarWait(q_empty + qb, ((i >> 1) - 1) & 1);
+          // Q a warpgroup's 64 rows at a time, none for rows before 0 (only causal blocks
+          // start there, and those warpgroups have no work), so every copy starts inside.
+          const int first_wg = q0 < 0 ? -q0 / 64 : 0;
+          MbarExpectBytes(q_full(qb), (C::kWarpgroups - first_wg) * 64 * D * int(sizeof(bf16)));
+          for (int w = first_wg; w < C::kWarpgroups; ++w)
+            TmaTile<D>(sQ + qb * BM * D + w * 64 * 64, BM, &maps.q, h, q0 + w * 64, b,
+                       q_full(qb));
+          pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt, first);
+          first += n_kt;
+        }
+      }
+    }
+    return;
+  }
+  SetMaxRegs<C::kConsumerRegs>();
+
+  const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int wrow = wg * 64 + warp * 16;  // this warp's first row in the block
+  // One arrival per consumer warp, after the wgmma wait that ends its use of the buffer.
+  auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
+  int total = 0;  // key tiles of this CTA, every one a turn
+  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+    int bh, qt0, qt1;
+    const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
+    total += KeyTiles(g, qt0 * BM - lead, BM, BN);
+    if (n_blocks > 1) total += KeyTiles(g, qt1 * BM - lead, BM, BN);
+  }
+  const Turns<C::kWarpgroups> turns(wg, total);
+
+  float o[D / 8][4];
+  float s[BN / 8][4];
+  uint32_t p[BN / 16][4];
+  float m[2], l[2];  // running max (log2) and partial sum of the rows gr and gr + 8
+  // The block whose output is still to be written (pending): its first row and (batch, head).
+  bool pending = false;
+  int pend_q0 = 0, pend_bh = 0;
+  // Normalise the pending block's rows, stage them in this warp's rows of its Q buffer qb (only
+  // this warpgroup read them, and its products are done), write whole 16-byte chunks, and hand
+  // the buffer back to the producer.
+  auto finish = [&](int qb) {
+    FwdWriteRows<BM, D>(o, m, l, sQ + qb * BM * D, out, lse, pend_bh, pend_q0, g, wrow, lane);
+    __syncwarp();
+    // The buffer's next contents arrive by TMA (the async proxy), after these generic writes.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    release(q_empty + qb);
+    pending = false;
+  };
+  // The pending block's last O += P V on its own (tile `last` of the stream), then its output.
+  auto finish_alone = [&](int last, int qb) {
+    const int buf = last & 1;
+    MbarWait(pipe.v_full + buf, (last >> 1) & 1);
+    WgmmaFence();
+    IssueAccumulate<BN, D>(o, p, sV + buf * BN * D);
+    WgmmaWait<0>();
+    FenceRegs(o);
+    release(pipe.v_empty + buf);
+    finish(qb);
+  };
+
+  int i = 0, first = 0;  // blocks and key tiles gone through so far
+#pragma unroll 1
+  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
+    int bh, qt0, qt1;
+    const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
+#pragma unroll 1
+    for (int t = 0; t < n_blocks; ++t, ++i) {
+      // Key tile j of this block is the stream's (first + j)-th.
+      const int q0t = (t == 0 ? qt0 : qt1) * BM - lead, n_ktt = KeyTiles(g, q0t, BM, BN);
+      const int qb = i & 1;
+      const bf16* sQw = sQ + qb * BM * D + wg * 64 * 64;  // this warpgroup's rows, each half
+      // Key tiles this warpgroup has pairs in: fewer than the block's when causal (its rows
+      // end before the block's last), none when its rows start past the end or lie before
+      // row 0 (a causal call's `lead`).
+      const int q0w = q0t + wg * 64;
+      const int n_own = q0w >= g.tq || q0w < 0 ? 0 : KeyTiles(g, q0w, 64, BN);
+      // A pending block is always the one before, in the other Q buffer.
+      if (pending && n_own == 0) finish_alone(first - 1, qb ^ 1);
+      if (!pending) {
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+      }
+      MbarWait(q_full(qb), (i >> 1) & 1);
+      for (int j = 0; j < n_own; ++j) {
+        const int jj = first + j, buf = jj & 1, prev = (jj - 1) & 1;
+        MbarWait(pipe.k_full + buf, (jj >> 1) & 1);
+        // With a block pending, tile jj - 1 is its last, V_{jj-1} its last product's.
+        if (j > 0 || pending) MbarWait(pipe.v_full + prev, ((jj - 1) >> 1) & 1);
+        turns.Take();
+        WgmmaFence();
+        if (j == 0 && pending) {
+          // The pending block's O += P V first, then this block's S_0 = Q K_0^T: the output
+          // is written while S_0 is on the tensor cores.
+          IssueAccumulate<BN, D>(o, p, sV + prev * BN * D);
+          IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);
+          turns.Pass(jj);
+          WgmmaWait<1>();
+          FenceRegs(o);
+          release(pipe.v_empty + prev);
+          finish(qb ^ 1);
+#pragma unroll
+          for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+          m[0] = m[1] = -INFINITY;
+          l[0] = l[1] = 0.f;
+          WgmmaWait<0>();
+        } else {
+          FwdIssue<BN, D, BM>(s, o, p, sQw, sK + buf * BN * D, sV + prev * BN * D, j > 0, turns,
+                              jj);
+        }
+        FwdTileRest<BN, D>(o, s, p, m, l, pipe.k_empty + buf, pipe.v_empty + prev, j > 0, g,
+                           j * BN, q0t + wrow, lane);
+      }
+      pending = true;
+      pend_q0 = q0t;
+      pend_bh = bh;
+      if (n_own < n_ktt) {
+        // Tiles past this warpgroup's last pair: its last product and output come first (the
+        // stream wraps around to their buffers), then it waits for each later tile and hands
+        // it straight back, so every buffer gets all its arrivals.
+        if (n_own > 0) {
+          finish_alone(first + n_own - 1, qb);
+        } else {
+          finish(qb);
+        }
+        for (int j = n_own; j < n_ktt; ++j) {
+          const int jj = first + j, buf = jj & 1, phase = (jj >> 1) & 1;
+          turns.Take();
+          turns.Pass(jj);
+          MbarWait(pipe.k_full + buf, phase);
+          release(pipe.k_empty + buf);
+          MbarWait(pipe.v_full + buf, phase);
+          release(pipe.v_empty + buf);
+        }
+      }
+      first += n_ktt;
+    }
+  }
+  if (pending) finish_alone(first - 1, (i - 1) & 1);
 #endif  // BLUJAX_WGMMA
 }
 
