@@ -173,6 +173,18 @@ __device__ __forceinline__ void FwdWriteRows(const float (&o)[D / 8][4], const f
                    int64_t(g.heads) * D, lane);
 }
 
+// The producer's copy of the block of query rows at q0 of (b, h) into `dst`, a warpgroup's 64
+// rows at a time, none for rows before 0 (only causal blocks start there, and those warpgroups
+// have no work), so every copy starts inside the tensor.
+template <typename C>
+__device__ __forceinline__ void LoadQ(bf16* dst, const CUtensorMap* map, int h, int q0, int b,
+                                      uint64_t* full) {
+  const int first_wg = q0 < 0 ? -q0 / 64 : 0;
+  MbarExpectBytes(full, (C::kWarpgroups - first_wg) * 64 * C::kD * int(sizeof(bf16)));
+  for (int w = first_wg; w < C::kWarpgroups; ++w)
+    TmaTile<C::kD>(dst + w * 64 * 64, C::kBM, map, h, q0 + w * 64, b, full);
+}
+
 // The blocks of query rows a CTA takes, in order: one, or with C::kTiles = 2 block p and block
 // n_qt - 1 - p (the launcher pairs causal calls' blocks, so that every CTA has the same number
 // of key tiles; with n_qt odd the middle block is alone). Returns how many.
@@ -231,15 +243,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
     // each block in turn through the two buffers, without a pause between blocks.
     SetMaxRegs<C::kProducerRegs>();
     if (threadIdx.x == C::kConsumers) {
-      for (int t = 0; t < n_blocks; ++t) {
-        // Q a warpgroup's 64 rows at a time, none for rows before 0 (only causal blocks start
-        // there, and those warpgroups have no work), so every copy starts inside the tensor.
-        const int first_wg = q0(t) < 0 ? -q0(t) / 64 : 0;
-        MbarExpectBytes(q_full(t), (C::kWarpgroups - first_wg) * 64 * D * int(sizeof(bf16)));
-        for (int w = first_wg; w < C::kWarpgroups; ++w)
-          TmaTile<D>(sQ + t * BM * D + w * 64 * 64, BM, &maps.q, h, q0(t) + w * 64, b,
-                     q_full(t));
-      }
+      for (int t = 0; t < n_blocks; ++t) LoadQ<C>(sQ + t * BM * D, &maps.q, h, q0(t), b, q_full(t));
       for (int t = 0, first = 0; t < n_blocks; first += n_kt(t), ++t)
         pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt(t), first);
     }
@@ -379,13 +383,7 @@ AttentionFwdSm90PersistentKernel(const __grid_constant__ FwdSm90Maps maps, bf16*
           const int q0 = (t == 0 ? qt0 : qt1) * BM - lead, n_kt = KeyTiles(g, q0, BM, BN);
           const int qb = i & 1;
           if (i >= 2) MbarWait(q_empty + qb, ((i >> 1) - 1) & 1);
-          // Q a warpgroup's 64 rows at a time, none for rows before 0 (only causal blocks
-          // start there, and those warpgroups have no work), so every copy starts inside.
-          const int first_wg = q0 < 0 ? -q0 / 64 : 0;
-          MbarExpectBytes(q_full(qb), (C::kWarpgroups - first_wg) * 64 * D * int(sizeof(bf16)));
-          for (int w = first_wg; w < C::kWarpgroups; ++w)
-            TmaTile<D>(sQ + qb * BM * D + w * 64 * 64, BM, &maps.q, h, q0 + w * 64, b,
-                       q_full(qb));
+          LoadQ<C>(sQ + qb * BM * D, &maps.q, h, q0, b, q_full(qb));
           pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt, first);
           first += n_kt;
         }
