@@ -409,7 +409,7 @@ AttentionFwdSm90PersistentKernel(const __grid_constant__ FwdSm90Maps maps, bf16*
   float o[D / 8][4];
   float s[BN / 8][4];
   uint32_t p[BN / 16][4];
-  float m[2], l[2];  // running max (log2) and partial sum of the rows gr and gr + 8
+  float m[2], l[2];  // running max (log2) and partial sum of rows lane / 4 and lane / 4 + 8
   // The block whose output is still to be written (pending): its first row and (batch, head).
   bool pending = false;
   int pend_q0 = 0, pend_bh = 0;
