@@ -316,26 +316,30 @@ def _raw(target, outs, *args, **attrs):
 
 @pytest.mark.parametrize("case", ["out_shape", "lse_shape", "lse_dtype", "qk_dtype", "heads",
                                   "rank", "causal_lengths", "scale_nan", "dk_shape",
-                                  "dlse_shape", "delta_shape", "delta_dtype", "int_inputs"])
+                                  "dlse_shape", "delta_shape", "delta_dtype", "int_inputs",
+                                  "counter_shape", "counter_dtype"])
 def test_handler_rejects_inconsistent_buffers(rng, case):
     d = 64
     q, k, v = _qkv(rng, 6, 6, d, jnp.float32)
     sds = jax.ShapeDtypeStruct
     o, l = sds(q.shape, jnp.float32), sds((B, H, 6), jnp.float32)
+    c = sds((1,), jnp.int32)  # the forward's scratch counter
     fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
     attrs = dict(causal=True, scale=np.float32(0.3))
     lse = jnp.zeros((B, H, 6), jnp.float32)
     bwd_args = (q, k, v, q, lse, q, lse)
     calls = {
-        "out_shape": lambda: _raw(fwd, (sds((B, 6, H, d - 1), jnp.float32), l), q, k, v, **attrs),
-        "lse_shape": lambda: _raw(fwd, (o, sds((B, 6, H), jnp.float32)), q, k, v, **attrs),
-        "lse_dtype": lambda: _raw(fwd, (o, sds((B, H, 6), jnp.bfloat16)), q, k, v, **attrs),
-        "qk_dtype": lambda: _raw(fwd, (o, l), q, k.astype(jnp.bfloat16), v, **attrs),
-        "heads": lambda: _raw(fwd, (o, l), q, k[:, :, :2], v[:, :, :2], **attrs),
-        "rank": lambda: _raw(fwd, (sds((B, 6, H * d), jnp.float32), l),
+        "out_shape": lambda: _raw(fwd, (sds((B, 6, H, d - 1), jnp.float32), l, c), q, k, v,
+                                  **attrs),
+        "lse_shape": lambda: _raw(fwd, (o, sds((B, 6, H), jnp.float32), c), q, k, v, **attrs),
+        "lse_dtype": lambda: _raw(fwd, (o, sds((B, H, 6), jnp.bfloat16), c), q, k, v, **attrs),
+        "qk_dtype": lambda: _raw(fwd, (o, l, c), q, k.astype(jnp.bfloat16), v, **attrs),
+        "heads": lambda: _raw(fwd, (o, l, c), q, k[:, :, :2], v[:, :, :2], **attrs),
+        "rank": lambda: _raw(fwd, (sds((B, 6, H * d), jnp.float32), l, c),
                              q.reshape(B, 6, H * d), k, v, **attrs),
-        "causal_lengths": lambda: _raw(fwd, (o, l), q, k[:, :5], v[:, :5], **attrs),
-        "scale_nan": lambda: _raw(fwd, (o, l), q, k, v, causal=False, scale=np.float32("nan")),
+        "causal_lengths": lambda: _raw(fwd, (o, l, c), q, k[:, :5], v[:, :5], **attrs),
+        "scale_nan": lambda: _raw(fwd, (o, l, c), q, k, v, causal=False,
+                                  scale=np.float32("nan")),
         "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, d), jnp.float32), o, l),
                                  *bwd_args, **attrs),
         "dlse_shape": lambda: _raw(bwd, (o, o, o, l), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
@@ -343,8 +347,10 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
                                     **attrs),
         "delta_dtype": lambda: _raw(bwd, (o, o, o, sds((B, H, 6), jnp.bfloat16)), *bwd_args,
                                     **attrs),
-        "int_inputs": lambda: _raw(fwd, (sds(q.shape, jnp.int32), l), q.astype(jnp.int32),
+        "int_inputs": lambda: _raw(fwd, (sds(q.shape, jnp.int32), l, c), q.astype(jnp.int32),
                                    k.astype(jnp.int32), v.astype(jnp.int32), **attrs),
+        "counter_shape": lambda: _raw(fwd, (o, l, sds((2,), jnp.int32)), q, k, v, **attrs),
+        "counter_dtype": lambda: _raw(fwd, (o, l, sds((1,), jnp.float32)), q, k, v, **attrs),
     }
     with pytest.raises(Exception, match="blujax_attention_(fwd|bwd)"):
         jax.block_until_ready(calls[case]())
@@ -469,7 +475,8 @@ def test_gpu_rejects_unsupported_head_sizes(rng):
     with pytest.raises(Exception, match=r"blujax_attention_fwd: head size D = 96 has no GPU "
                        r"kernel \(supported: 64 and 128\)"):
         jax.block_until_ready(_raw("blujax_attention_fwd", (sds(q.shape, q.dtype),
-                                                            sds((B, H, 8), jnp.float32)),
+                                                            sds((B, H, 8), jnp.float32),
+                                                            sds((1,), jnp.int32)),
                                    q, k, v, causal=True, scale=np.float32(0.1)))
 
 

@@ -121,11 +121,15 @@ def _lse_dtype(dtype):
 
 def _fwd_call(q, k, v, causal, scale):
     b, tq, h, _ = q.shape
-    return jax.ffi.ffi_call(
+    # The third result is scratch, dropped: one int32 in which the Hopper kernel's CTAs count
+    # off their units of work (handlers do not allocate).
+    out, lse, _ = jax.ffi.ffi_call(
         "blujax_attention_fwd",
-        (result_type(q), result_type(q, (b, h, tq), _lse_dtype(q.dtype))),
+        (result_type(q), result_type(q, (b, h, tq), _lse_dtype(q.dtype)),
+         result_type(q, (1,), jnp.int32)),
         vmap_method="sequential",
     )(q, k, v, causal=causal, scale=np.float32(scale))
+    return out, lse
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -1,7 +1,7 @@
 // The attention handler contract, shared by xla_ext/cpu/attention.cc and
 // xla_ext/cuda/attention.cu (the same on both platforms).
 //
-// blujax_attention_fwd  (q, k, v)                         -> (out, lse)
+// blujax_attention_fwd  (q, k, v)                         -> (out, lse, counter)
 // blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv, delta)
 // blujax_attention_qkv_bwd  (the same operands)            -> (dqkv, delta)
 // attributes: causal (bool), scale (float32, finite and > 0)
@@ -18,7 +18,9 @@
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
 // it as scratch between its kernels and handlers never allocate; callers drop it. It may be
 // [B, H, Tq + extra]: delta is then its first B * H * Tq values, and the rest is workspace
-// (the Hopper backward's float32 dQ tiles, attention.cu; the CPU leaves it).
+// (the Hopper backward's float32 dQ tiles, attention.cu; the CPU leaves it). counter (one
+// int32) is scratch in the same way: the Hopper forward's CTAs count off their units of work
+// in it; callers drop it, and the CPU leaves it.
 // The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
 // 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
 // concatenates the three; it needs Tq == Tk.
@@ -118,6 +120,15 @@ inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi:
     return InvalidArgument(op, ": ", name, " has shape ", ShapeString(lse), ", expected [",
                            d.batch, ", ", d.heads, ", ", longer ? ">= " : "", d.q_len,
                            "] ([B, H, ", longer ? ">= " : "", "Tq])");
+  return ffi::Error::Success();
+}
+
+// The forward's counter: one int32.
+inline ffi::Error CheckAttentionCounter(const char* op, const ffi::AnyBuffer& counter) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "counter", counter, ffi::DataType::S32));
+  if (counter.element_count() != 1)
+    return InvalidArgument(op, ": counter has shape ", ShapeString(counter),
+                           ", expected one int32 value");
   return ffi::Error::Success();
 }
 

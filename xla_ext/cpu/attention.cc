@@ -184,12 +184,13 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
 
 ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                        bool causal, float scale) {
+                        ffi::Result<ffi::AnyBuffer> counter, bool causal, float scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", *out, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));  // the GPU's scratch
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
@@ -254,6 +255,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                            .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32 (f64 for f64)
+                           .Ret<ffi::AnyBuffer>()   // counter [1] s32, the GPU's scratch
                            .Attr<bool>("causal")
                            .Attr<float>("scale"));
 

@@ -233,13 +233,14 @@ ffi::Error TileMap(const char* op, CUtensorMap* map, const void* data, int64_t b
   return ffi::Error::Success();
 }
 
-// The Hopper forward: kPersistent, AttentionFwdSm90PersistentKernel on one CTA per
-// multiprocessor; otherwise AttentionFwdSm90Kernel on one CTA per block (or pair of blocks).
-template <typename C, bool kPersistent>
+// The Hopper forward (AttentionFwdSm90Kernel): one CTA per multiprocessor, or one per unit of
+// work where there are fewer units.
+template <int D>
 ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
-                         const Geometry& g, SmemOptIn& opt) {
-  constexpr int D = C::kD;
+                         int* unit_counter, const Geometry& g) {
+  using C = FwdSm90<D>;
+  static SmemOptIn opt, opt_counted;
   const int64_t batch = bh / g.heads;
   FwdSm90Maps maps;
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, 64));
@@ -252,43 +253,39 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   const int lead = g.causal ? (C::kBM - g.tq % C::kBM) % C::kBM / 64 * 64 : 0;
   const int n_qt = (g.tq + lead + C::kBM - 1) / C::kBM;
   if (n_qt == 0) return ffi::Error::Success();
-  if constexpr (kPersistent) {
-    // Units of work (see UnitBlocks): fewer than 2^31, as CheckGpuLimits bounds the blocks.
-    const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
-    const int64_t ctas = std::min<int64_t>(units, SmCount(device));
-    return LaunchWith(op, AttentionFwdSm90PersistentKernel<C>, opt, ctas, C::kThreads,
+  // Units of work (see UnitBlocks): fewer than 2^31, as CheckGpuLimits bounds the blocks.
+  const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
+  const int64_t ctas = std::min<int64_t>(units, SmCount(device));
+  // Units cost the same unless a non-causal call's last block is only partly inside the
+  // sequence or a causal call's middle block has no partner; then CTAs count off the units
+  // as they go. Measured on an H100 at D = 64 (192-row blocks, so T = 2^k always has such a
+  // block): every gridDim.x-th unit ran 4% slower than a CTA per block at causal T = 2048,
+  // counted units 2% faster. Where units cost the same, counting was 1-5% slower at D = 128.
+  const bool counted = g.causal ? n_qt % 2 == 1 : g.tq % C::kBM != 0;
+  if (counted) {
+    if (cudaMemsetAsync(unit_counter, 0, sizeof(int), stream) != cudaSuccess)
+      return LastCudaError(op);
+    return LaunchWith(op, AttentionFwdSm90Kernel<C, true>, opt_counted, ctas, C::kThreads,
                       C::kSmem, stream, device, maps, static_cast<bf16*>(out), lse, g,
-                      static_cast<int>(units), n_qt, lead);
-  } else {
-    const int64_t ctas = (n_qt + C::kTiles - 1) / C::kTiles * bh;
-    return LaunchWith(op, AttentionFwdSm90Kernel<C>, opt, ctas, C::kThreads, C::kSmem, stream,
-                      device, maps, static_cast<bf16*>(out), lse, g, n_qt, lead);
+                      static_cast<int>(units), n_qt, lead, unit_counter);
   }
+  return LaunchWith(op, AttentionFwdSm90Kernel<C, false>, opt, ctas, C::kThreads, C::kSmem,
+                    stream, device, maps, static_cast<bf16*>(out), lse, g,
+                    static_cast<int>(units), n_qt, lead, unit_counter);
 }
 
 template <int D>
 ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
-                         const Geometry& g) {
-  static SmemOptIn opt, opt_sm90, opt_sm90_pairs;
-  if constexpr (D == 128) {
-    // Persistent CTAs. Measured on an H100 against a CTA per block (pairs when causal), the
-    // sums of 3 interleaved rounds: 1.05 / 1.02 / 1.00 / 1.00x at T = 1024 / 2048 / 4096 /
-    // 8192, causal 1.07 / 1.04 / 1.01 / 1.02x. At D = 64 the same kernel ran 4-6% slower (its
-    // three warpgroups have 160 registers each, and it spills), so D = 64 keeps a CTA a block.
-    if (Sm90Runs(AttentionFwdSm90PersistentKernel<FwdSm90<D, 2>>, device))
-      return LaunchFwdSm90<FwdSm90<D, 2>, true>(op, stream, device, bh, q, k, v, out, lse, g,
-                                                opt_sm90);
-  } else if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>>, device)) {
-    // Causal: a CTA per pair of query blocks (see FwdBlocks). Measured on an H100, median of
-    // 4 rounds: forward 2.5% faster at T = 1024, within 1% either way at T >= 2048; pairs of
-    // non-causal blocks ran 0-3% slower.
-    if (g.causal)
-      return LaunchFwdSm90<FwdSm90<D, 2>, false>(op, stream, device, bh, q, k, v, out, lse, g,
-                                                 opt_sm90_pairs);
-    return LaunchFwdSm90<FwdSm90<D>, false>(op, stream, device, bh, q, k, v, out, lse, g,
-                                            opt_sm90);
-  }
+                         int* unit_counter, const Geometry& g) {
+  // Persistent CTAs. Measured on an H100, medians of 4 interleaved rounds: at D = 64 against a
+  // CTA per block (a pair of blocks when causal) 1.10 / 1.05 / 1.00 / 1.01x at T = 1024 /
+  // 2048 / 4096 / 8192, causal 1.05 / 1.02 / 1.03 / 1.01x; at D = 128 against the persistent
+  // kernel before it (which issued a block's last O += P V with the next block's first S, and
+  // ran 1.00-1.07x a CTA per block) 1.02 / 1.10x at T = 1024 / 2048, causal 1.04 / 1.03x.
+  if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>, false>, device))
+    return LaunchFwdSm90<D>(op, stream, device, bh, q, k, v, out, lse, unit_counter, g);
+  static SmemOptIn opt;
   using C = FwdBf16<D>;
   const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
   return Launch(op, AttentionFwdBf16Kernel<C>, opt, n_qt * bh, C::kSmem, stream, device,
@@ -299,7 +296,7 @@ ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_
 template <int D>
 ffi::Error LaunchFwdF32(const char* op, cudaStream_t stream, int device, int64_t bh,
                         const void* q, const void* k, const void* v, void* out, float* lse,
-                        const Geometry& g) {
+                        int* /*unit_counter*/, const Geometry& g) {
   static SmemOptIn opt;
   const int n_qt = (g.tq + F32Tile<D>::kRows - 1) / F32Tile<D>::kRows;
   return Launch(op, AttentionFwdF32Kernel<D>, opt, n_qt * bh, F32Tile<D>::kSmem, stream, device,
@@ -444,12 +441,14 @@ Geometry MakeGeometry(const AttentionDims& d, bool causal, float scale) {
 
 ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse, bool causal, float scale) {
+                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> counter,
+                        bool causal, float scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
   BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", *out, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));
   BLUJAX_RETURN_IF_ERROR(CheckGpuLimits(
       op, d, {q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data()}));
   if (d.batch * d.heads == 0) return ffi::Error::Success();
@@ -461,7 +460,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
     constexpr int D = decltype(dim)::value;
     auto launch = is_bf16 ? &LaunchFwdBf16<D> : &LaunchFwdF32<D>;
     result = launch(op, stream, device, d.batch * d.heads, q.untyped_data(), k.untyped_data(),
-                    v.untyped_data(), out->untyped_data(), lse_ptr, g);
+                    v.untyped_data(), out->untyped_data(), lse_ptr,
+                    static_cast<int*>(counter->untyped_data()), g);
   });
   return result;
 }
@@ -549,6 +549,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                            .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32
+                           .Ret<ffi::AnyBuffer>()   // counter [1] s32, scratch
                            .Attr<bool>("causal")
                            .Attr<float>("scale"),
                        kGraphSafe);

@@ -3,11 +3,15 @@
 // ldmatrix or copy instructions compete with the tensor cores (xla_ext/cuda/attention.cu has
 // the overview, the launchers and the handlers).
 //
-// A CTA is kWarpgroups consumer warpgroups of 128 threads, each owning 64 query rows, and one
-// producer warp. The producer's one thread issues TMA copies of Q and of every K and V tile
-// into two buffers each, and mbarriers say when a buffer is full (the copy's bytes arrived) and
-// when it is empty again (every consumer warp is done with it), so the warpgroups never wait
-// on each other. Per key tile j a consumer warpgroup
+// The kernel is persistent: one CTA per multiprocessor takes units of work in turn, a unit
+// being a block of 64 * kWarpgroups query rows of one (batch, head), or in a causal call the
+// pair of blocks n - 1 - p and p, so that units have the same number of key tiles. A CTA is
+// kWarpgroups consumer warpgroups of 128 threads, each owning 64 rows of the block, and one
+// producer warp. The producer's one thread issues TMA copies of each block's Q into one of two
+// buffers and of every K and V tile into two buffers each, streaming on from one block to the
+// next without a pause; mbarriers say when a buffer is full (the copy's bytes arrived) and when
+// it is empty again (every consumer warp is done with it), so the warpgroups never wait on each
+// other. Per key tile j a consumer warpgroup
 //   issues S_j = Q K_j^T          wgmma m64n{BN}k16, A = Q and B = K from shared memory,
 //   issues O += P_{j-1} V_{j-1}   wgmma m64n{D}k16, A = P from registers, B = V read transposed,
 //   waits for S_j and runs the online softmax on its registers (the per-thread layout of
@@ -18,15 +22,14 @@
 // rows all lie past the end does no tiles); it hands the later tiles straight back. Causal
 // blocks start before row 0 where T is not a multiple of the block (the launcher's `lead`), so
 // the warpgroups left idle are in the first block, the cheapest, not the last.
-// A causal call's CTA takes two blocks of query rows, block p and block n - 1 - p (FwdBlocks),
-// so every CTA has the same number of key tiles, and the second block's Q and first K/V tiles
-// load while the first block's output is written. Each block has its own Q buffer; K and V
-// stream through the same two buffers without a pause between the blocks.
-// At D = 128 the forward is persistent instead (AttentionFwdSm90PersistentKernel): a CTA per
-// multiprocessor takes blocks (causal: pairs) in turn, and a block's last product and output
-// overlap the next block's first product.
+// Which units a CTA takes: where all cost the same, every gridDim.x-th; where some are cheaper
+// (a last block only partly inside the sequence, a causal middle block without a partner), the
+// next one not yet taken, from a counter in global memory, so that no CTA is left with more
+// than its share.
 
 #pragma once
+
+#include <climits>
 
 #include "cuda/attention_sm90_common.cuh"
 
@@ -34,18 +37,19 @@ namespace blujax {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// The forward kernel: one CTA per block of 64 * kWarpgroups query rows of one (batch, head),
-// or with kTiles = 2 per two such blocks.
+// The forward kernel's shape: blocks of 64 * kWarpgroups query rows, key tiles of kBN.
 
-template <int D, int WG, int BN, int TILES>
+template <int D, int WG, int BN>
 struct FwdSm90Cfg {
-  static constexpr int kD = D, kWarpgroups = WG, kBN = BN, kTiles = TILES;
+  static constexpr int kD = D, kWarpgroups = WG, kBN = BN;
   // kWarpgroups consumers and a producer warpgroup, whose registers go to the consumers: per
-  // quarter of the register file (a warp of each warpgroup) 32 x (24 + 2 x 240) <= 16384.
+  // quarter of the register file (a warp of each warpgroup) 32 x (24 + 2 x 240) <= 16384, and
+  // the consumers' increase must fit in what the producer gives back.
   static constexpr int kConsumers = 128 * WG, kThreads = kConsumers + 128, kBM = 64 * WG;
   static constexpr int kConsumerRegs = WG == 2 ? 240 : 160, kProducerRegs = WG == 2 ? 24 : 32;
-  // kTiles Q blocks, 2 x (K, V), the mbarriers, and room to align the tiles to 1024 bytes.
-  static constexpr int kSmem = (kTiles * kBM + 4 * kBN) * D * int(sizeof(bf16)) + 128 + 1024;
+  // 2 Q blocks, 2 x (K, V), the mbarriers and the blocks' coordinates, and room to align the
+  // tiles to 1024 bytes.
+  static constexpr int kSmem = (2 * kBM + 4 * kBN) * D * int(sizeof(bf16)) + 128 + 1024;
 };
 
 // Measured on an H100 (benchmarks/RESULTS.md): D = 64 runs up to 19% faster with three
@@ -53,8 +57,8 @@ struct FwdSm90Cfg {
 // much as its products, and a third warpgroup hides more of it. D = 128 has registers for two
 // only. 64-key tiles ran 6-14% slower. With turns, two warpgroups at D = 64 are still 5-13%
 // slower than three.
-template <int D, int TILES = 1>
-using FwdSm90 = FwdSm90Cfg<D, D == 64 ? 3 : 2, 128, TILES>;
+template <int D>
+using FwdSm90 = FwdSm90Cfg<D, D == 64 ? 3 : 2, 128>;
 
 // The TMA descriptors of q (boxes of 64 rows) and k, v (kBN rows), made on the host per call.
 struct FwdSm90Maps {
@@ -185,53 +189,52 @@ __device__ __forceinline__ void LoadQ(bf16* dst, const CUtensorMap* map, int h, 
     TmaTile<C::kD>(dst + w * 64 * 64, C::kBM, map, h, q0 + w * 64, b, full);
 }
 
-// The blocks of query rows a CTA takes, in order: one, or with C::kTiles = 2 block p and block
-// n_qt - 1 - p (the launcher pairs causal calls' blocks, so that every CTA has the same number
-// of key tiles; with n_qt odd the middle block is alone). Returns how many.
-template <typename C>
-__device__ __forceinline__ int FwdBlocks(const Geometry& g, int n_qt, int64_t* bh, int (&qt)[2]) {
-  if constexpr (C::kTiles == 1) {
-    BlockCoords(n_qt, g.causal, &qt[0], bh);
+// The blocks of unit u, in order; returns how many. Each (batch, head) starts its blocks at
+// another place in the row: CTA c takes units c, c + gridDim.x, ..., and where gridDim.x shares
+// a factor with the units of a (batch, head), the same CTAs would otherwise always get the
+// same blocks.
+__device__ __forceinline__ int UnitBlocks(const Geometry& g, int n_qt, int u, int* bh, int* qt0,
+                                          int* qt1) {
+  const int per_bh = g.causal ? (n_qt + 1) / 2 : n_qt;
+  *bh = u / per_bh;
+  const int k = (u % per_bh + *bh) % per_bh;
+  if (!g.causal) {
+    *qt0 = *qt1 = k;
     return 1;
-  } else {
-    const int n_pairs = (n_qt + 1) / 2;
-    *bh = blockIdx.x / n_pairs;
-    const int p = static_cast<int>(blockIdx.x % n_pairs);
-    qt[0] = n_qt - 1 - p;  // the longer of the two when causal
-    qt[1] = p;
-    return qt[1] == qt[0] ? 1 : 2;
   }
+  *qt1 = k;
+  *qt0 = n_qt - 1 - k;  // the longer of the two
+  return *qt0 == *qt1 ? 1 : 2;
 }
 
-template <typename C>
+// gridDim.x CTAs take the n_units units: with kCounted, a CTA's first is blockIdx.x and each
+// later one gridDim.x + the count it reads from *unit_counter (zero at launch) as it adds 1;
+// otherwise u, u + gridDim.x, ....
+template <typename C, bool kCounted>
 __global__ void __launch_bounds__(C::kThreads, 1)
 AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restrict__ out,
-                       float* __restrict__ lse, Geometry g, int n_qt, int lead) {
+                       float* __restrict__ lse, Geometry g, int n_units, int n_qt, int lead,
+                       int* __restrict__ unit_counter) {
 #ifdef BLUJAX_WGMMA
   constexpr int D = C::kD, BM = C::kBM, BN = C::kBN;
   extern __shared__ uint4 smem_fwd_sm90[];
-  bf16* sQ = Aligned1024(smem_fwd_sm90);  // [kTiles][BM][D]
-  bf16* sK = sQ + C::kTiles * BM * D;    // [2][BN][D]
+  bf16* sQ = Aligned1024(smem_fwd_sm90);  // [2][BM][D]
+  bf16* sK = sQ + 2 * BM * D;            // [2][BN][D]
   bf16* sV = sK + 2 * BN * D;            // [2][BN][D]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * BN * D);
   const KvStream<2> pipe(bars);
-  // Q of the CTA's block t is full: pipe.q_full for the first, then these.
-  uint64_t* q_full_more = bars + KvStream<2>::kBarriers;
-
-  int64_t bh;
-  int qt[2];
-  const int n_blocks = FwdBlocks<C>(g, n_qt, &bh, qt);
-  // Per block: its first row and its key tiles (named, not indexed, so they stay in registers).
-  const int q0_0 = qt[0] * BM - lead, n_kt_0 = KeyTiles(g, q0_0, BM, BN);
-  const int q0_1 = n_blocks > 1 ? qt[1] * BM - lead : 0;
-  const int n_kt_1 = n_blocks > 1 ? KeyTiles(g, q0_1, BM, BN) : 0;
-  auto q0 = [&](int t) { return t == 0 ? q0_0 : q0_1; };
-  auto n_kt = [&](int t) { return t == 0 ? n_kt_0 : n_kt_1; };
-  auto q_full = [&](int t) { return t == 0 ? pipe.q_full : q_full_more + t - 1; };
-  const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+  // Q buffer b is full: pipe.q_full for b = 0, q_full_1 for b = 1; empty: q_empty[b].
+  uint64_t* q_full_1 = bars + KvStream<2>::kBarriers;
+  uint64_t* q_empty = q_full_1 + 1;
+  auto q_full = [&](int b) { return b == 0 ? pipe.q_full : q_full_1; };
+  // The block in Q buffer b, written by the producer before the buffer fills: its (batch,
+  // head) at [2 b], -1 once there are no more blocks, and its first row at [2 b + 1].
+  int* block_of = reinterpret_cast<int*>(q_empty + 2);
   constexpr int kConsumerWarps = C::kConsumers / 32;
   if (threadIdx.x == 0) {
-    for (int t = 1; t < C::kTiles; ++t) MbarInit(q_full(t), 1);
+    MbarInit(q_full_1, 1);
+    MbarInit(q_empty, kConsumerWarps);
+    MbarInit(q_empty + 1, kConsumerWarps);
     pipe.Init(kConsumerWarps);
   }
   __syncthreads();
@@ -239,13 +242,36 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   // Roles by warpgroup, read through a shuffle so the compiler knows they are warp-uniform.
   const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
   if (wg == C::kWarpgroups) {
-    // The producer: every block's Q at once (each has its own buffer), then K_j and V_j of
-    // each block in turn through the two buffers, without a pause between blocks.
+    // The producer: per block, once the block two before has written its output from the
+    // buffer, the block's coordinates and its Q, then its K_j and V_j.
     SetMaxRegs<C::kProducerRegs>();
     if (threadIdx.x == C::kConsumers) {
-      for (int t = 0; t < n_blocks; ++t) LoadQ<C>(sQ + t * BM * D, &maps.q, h, q0(t), b, q_full(t));
-      for (int t = 0, first = 0; t < n_blocks; first += n_kt(t), ++t)
-        pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt(t), first);
+      int i = 0, first = 0;  // blocks and key tiles streamed so far
+      auto next_buffer = [&]() {
+        const int qb = i & 1;
+        if (i >= 2) MbarWait(q_empty + qb, ((i >> 1) - 1) & 1);
+        return qb;
+      };
+      for (int u = blockIdx.x; u < n_units;) {
+        int bh, qt0, qt1;
+        const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
+        const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+        for (int t = 0; t < n_blocks; ++t, ++i) {
+          const int q0 = (t == 0 ? qt0 : qt1) * BM - lead, n_kt = KeyTiles(g, q0, BM, BN);
+          const int qb = next_buffer();
+          block_of[2 * qb] = bh;
+          block_of[2 * qb + 1] = q0;
+          LoadQ<C>(sQ + qb * BM * D, &maps.q, h, q0, b, q_full(qb));
+          pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt, first);
+          first += n_kt;
+        }
+        u = kCounted ? static_cast<int>(gridDim.x) + atomicAdd(unit_counter, 1)
+                     : u + static_cast<int>(gridDim.x);
+      }
+      // No more blocks: an arrival without bytes completes the next buffer's phase.
+      const int qb = next_buffer();
+      block_of[2 * qb] = -1;
+      MbarArrive(q_full(qb), true);
     }
     return;
   }
@@ -255,14 +281,19 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
   const int wrow = wg * 64 + warp * 16;  // this warp's first row in the block
   // One arrival per consumer warp, after the wgmma wait that ends its use of the buffer.
   auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
-  const Turns<C::kWarpgroups> turns(wg, n_kt_0 + n_kt_1);
+  // Every warpgroup passes every turn; warpgroup 0 takes the last pass after the loop.
+  const Turns<C::kWarpgroups> turns(wg, INT_MAX);
 
+  int first = 0;  // key tiles gone through so far
 #pragma unroll 1
-  for (int t = 0, first = 0; t < n_blocks; first += n_kt(t), ++t) {
-    // Key tile j of this block is the buffers' (first + j)-th.
-    const int q0t = q0(t), n_ktt = n_kt(t);
-    bf16* sQt = sQ + t * BM * D;
-    const bf16* sQw = sQt + wg * 64 * 64;  // this warpgroup's 64 rows in each 64-column half
+  for (int i = 0;; ++i) {
+    const int qb = i & 1;
+    MbarWait(q_full(qb), (i >> 1) & 1);
+    const int bh = block_of[2 * qb], q0t = block_of[2 * qb + 1];
+    if (bh < 0) break;
+    // Key tile j of this block is the stream's (first + j)-th.
+    const int n_ktt = KeyTiles(g, q0t, BM, BN);
+    const bf16* sQw = sQ + qb * BM * D + wg * 64 * 64;  // this warpgroup's rows, each half
     float o[D / 8][4] = {};
     float s[BN / 8][4];
     uint32_t p[BN / 16][4];
@@ -273,7 +304,6 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
     // T = 1024, D = 64, causal, +4% at T = 2048 (H100).
     const int q0w = q0t + wg * 64;
     const int n_own = q0w >= g.tq || q0w < 0 ? 0 : KeyTiles(g, q0w, 64, BN);
-    MbarWait(q_full(t), 0);
     for (int j = 0; j < n_own; ++j) {
       const int jj = first + j, buf = jj & 1, prev = (jj - 1) & 1;
       MbarWait(pipe.k_full + buf, (jj >> 1) & 1);
@@ -293,6 +323,13 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
       FenceRegs(o);
       release(pipe.v_empty + last);
     }
+    // Staged in this warp's own rows of the block's Q buffer (only its warpgroup read them, and
+    // its products are done); the buffer's next contents arrive by TMA (the async proxy), after
+    // these generic writes.
+    FwdWriteRows<BM, D>(o, m, l, sQ + qb * BM * D, out, lse, bh, q0t, g, wrow, lane);
+    __syncwarp();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    release(q_empty + qb);
     // The tiles past this warpgroup's last pair: it waits for each and hands it straight back,
     // so that every buffer still gets all its arrivals and the producer stays in step.
     for (int j = n_own; j < n_ktt; ++j) {
@@ -304,218 +341,9 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restric
       MbarWait(pipe.v_full + buf, phase);
       release(pipe.v_empty + buf);
     }
-
-    // Staged in this warp's own rows of the block's Q buffer: only its warpgroup read them,
-    // and its products are done.
-    FwdWriteRows<BM, D>(o, m, l, sQt, out, lse, bh, q0t, g, wrow, lane);
+    first += n_ktt;
   }
-#endif  // BLUJAX_WGMMA
-}
-
-
-// The persistent forward: gridDim.x CTAs (one per multiprocessor) take units of work in turn,
-// u = blockIdx.x, blockIdx.x + gridDim.x, ...: a unit is a block of query rows (non-causal) or
-// the pair of blocks n_qt - 1 - p and p (causal, so every unit has the same key tiles). Blocks
-// alternate between two Q buffers, and K and V stream through their two buffers without a
-// pause between blocks. A warpgroup issues a block's last product O += P V together with the
-// next block's first S = Q K^T, and writes the block's output (`finish`) while S is on the
-// tensor cores. Where its rows end before the block's last key tile (causal), it finishes the
-// block at once instead, as the tiles it hands back reuse the buffer of that last V.
-
-// The blocks of unit u, in order; returns how many. Each (batch, head) starts its blocks at
-// another place in the row: CTA c takes units c, c + gridDim.x, ..., and where gridDim.x shares
-// a factor with the units of a (batch, head), the same CTAs would otherwise always get the
-// cheap ones (the partial last block, the causal middle block alone).
-__device__ __forceinline__ int UnitBlocks(const Geometry& g, int n_qt, int u, int* bh, int* qt0,
-                                          int* qt1) {
-  const int per_bh = g.causal ? (n_qt + 1) / 2 : n_qt;
-  *bh = u / per_bh;
-  const int k = (u % per_bh + *bh) % per_bh;
-  if (!g.causal) {
-    *qt0 = *qt1 = k;
-    return 1;
-  }
-  *qt1 = k;
-  *qt0 = n_qt - 1 - k;  // the longer of the two
-  return *qt0 == *qt1 ? 1 : 2;
-}
-
-template <typename C>
-__global__ void __launch_bounds__(C::kThreads, 1)
-AttentionFwdSm90PersistentKernel(const __grid_constant__ FwdSm90Maps maps, bf16* __restrict__ out,
-                                 float* __restrict__ lse, Geometry g, int n_units, int n_qt,
-                                 int lead) {
-#ifdef BLUJAX_WGMMA
-  constexpr int D = C::kD, BM = C::kBM, BN = C::kBN;
-  static_assert(C::kTiles == 2, "two Q buffers");
-  extern __shared__ uint4 smem_fwd_sm90[];
-  bf16* sQ = Aligned1024(smem_fwd_sm90);  // [2][BM][D]
-  bf16* sK = sQ + 2 * BM * D;            // [2][BN][D]
-  bf16* sV = sK + 2 * BN * D;            // [2][BN][D]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + 2 * BN * D);
-  const KvStream<2> pipe(bars);
-  // Q buffer b is full: pipe.q_full for b = 0, q_full_1 for b = 1; empty: q_empty[b].
-  uint64_t* q_full_1 = bars + KvStream<2>::kBarriers;
-  uint64_t* q_empty = q_full_1 + 1;
-  auto q_full = [&](int b) { return b == 0 ? pipe.q_full : q_full_1; };
-  constexpr int kConsumerWarps = C::kConsumers / 32;
-  if (threadIdx.x == 0) {
-    MbarInit(q_full_1, 1);
-    MbarInit(q_empty, kConsumerWarps);
-    MbarInit(q_empty + 1, kConsumerWarps);
-    pipe.Init(kConsumerWarps);
-  }
-  __syncthreads();
-
-  // Roles by warpgroup, read through a shuffle so the compiler knows they are warp-uniform.
-  const int wg = __shfl_sync(kFull, threadIdx.x / 128, 0);
-  if (wg == C::kWarpgroups) {
-    // The producer: per block, its Q into the block's buffer once the block two before has
-    // written its output from there, then its K_j and V_j.
-    SetMaxRegs<C::kProducerRegs>();
-    if (threadIdx.x == C::kConsumers) {
-      int i = 0, first = 0;  // blocks and key tiles streamed so far
-      for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-        int bh, qt0, qt1;
-        const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
-        const int b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
-        for (int t = 0; t < n_blocks; ++t, ++i) {
-          const int q0 = (t == 0 ? qt0 : qt1) * BM - lead, n_kt = KeyTiles(g, q0, BM, BN);
-          const int qb = i & 1;
-          if (i >= 2) MbarWait(q_empty + qb, ((i >> 1) - 1) & 1);
-          LoadQ<C>(sQ + qb * BM * D, &maps.q, h, q0, b, q_full(qb));
-          pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt, first);
-          first += n_kt;
-        }
-      }
-    }
-    return;
-  }
-  SetMaxRegs<C::kConsumerRegs>();
-
-  const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-  const int wrow = wg * 64 + warp * 16;  // this warp's first row in the block
-  // One arrival per consumer warp, after the wgmma wait that ends its use of the buffer.
-  auto release = [&](uint64_t* bar) { MbarArrive(bar, lane == 0); };
-  int total = 0;  // key tiles of this CTA, every one a turn
-  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-    int bh, qt0, qt1;
-    const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
-    total += KeyTiles(g, qt0 * BM - lead, BM, BN);
-    if (n_blocks > 1) total += KeyTiles(g, qt1 * BM - lead, BM, BN);
-  }
-  const Turns<C::kWarpgroups> turns(wg, total);
-
-  float o[D / 8][4];
-  float s[BN / 8][4];
-  uint32_t p[BN / 16][4];
-  float m[2], l[2];  // running max (log2) and partial sum of rows lane / 4 and lane / 4 + 8
-  // The block whose output is still to be written (pending): its first row and (batch, head).
-  bool pending = false;
-  int pend_q0 = 0, pend_bh = 0;
-  // Normalise the pending block's rows, stage them in this warp's rows of its Q buffer qb (only
-  // this warpgroup read them, and its products are done), write whole 16-byte chunks, and hand
-  // the buffer back to the producer.
-  auto finish = [&](int qb) {
-    FwdWriteRows<BM, D>(o, m, l, sQ + qb * BM * D, out, lse, pend_bh, pend_q0, g, wrow, lane);
-    __syncwarp();
-    // The buffer's next contents arrive by TMA (the async proxy), after these generic writes.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    release(q_empty + qb);
-    pending = false;
-  };
-  // The pending block's last O += P V on its own (tile `last` of the stream), then its output.
-  auto finish_alone = [&](int last, int qb) {
-    const int buf = last & 1;
-    MbarWait(pipe.v_full + buf, (last >> 1) & 1);
-    WgmmaFence();
-    IssueAccumulate<BN, D>(o, p, sV + buf * BN * D);
-    WgmmaWait<0>();
-    FenceRegs(o);
-    release(pipe.v_empty + buf);
-    finish(qb);
-  };
-
-  int i = 0, first = 0;  // blocks and key tiles gone through so far
-#pragma unroll 1
-  for (int u = blockIdx.x; u < n_units; u += gridDim.x) {
-    int bh, qt0, qt1;
-    const int n_blocks = UnitBlocks(g, n_qt, u, &bh, &qt0, &qt1);
-#pragma unroll 1
-    for (int t = 0; t < n_blocks; ++t, ++i) {
-      // Key tile j of this block is the stream's (first + j)-th.
-      const int q0t = (t == 0 ? qt0 : qt1) * BM - lead, n_ktt = KeyTiles(g, q0t, BM, BN);
-      const int qb = i & 1;
-      const bf16* sQw = sQ + qb * BM * D + wg * 64 * 64;  // this warpgroup's rows, each half
-      // Key tiles this warpgroup has pairs in: fewer than the block's when causal (its rows
-      // end before the block's last), none when its rows start past the end or lie before
-      // row 0 (a causal call's `lead`).
-      const int q0w = q0t + wg * 64;
-      const int n_own = q0w >= g.tq || q0w < 0 ? 0 : KeyTiles(g, q0w, 64, BN);
-      // A pending block is always the one before, in the other Q buffer.
-      if (pending && n_own == 0) finish_alone(first - 1, qb ^ 1);
-      if (!pending) {
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-        m[0] = m[1] = -INFINITY;
-        l[0] = l[1] = 0.f;
-      }
-      MbarWait(q_full(qb), (i >> 1) & 1);
-      for (int j = 0; j < n_own; ++j) {
-        const int jj = first + j, buf = jj & 1, prev = (jj - 1) & 1;
-        MbarWait(pipe.k_full + buf, (jj >> 1) & 1);
-        // With a block pending, tile jj - 1 is its last, V_{jj-1} its last product's.
-        if (j > 0 || pending) MbarWait(pipe.v_full + prev, ((jj - 1) >> 1) & 1);
-        turns.Take();
-        WgmmaFence();
-        if (j == 0 && pending) {
-          // The pending block's O += P V first, then this block's S_0 = Q K_0^T: the output
-          // is written while S_0 is on the tensor cores.
-          IssueAccumulate<BN, D>(o, p, sV + prev * BN * D);
-          IssueRowsByRows<BN, D, BM>(s, sQw, sK + buf * BN * D);
-          turns.Pass(jj);
-          WgmmaWait<1>();
-          FenceRegs(o);
-          release(pipe.v_empty + prev);
-          finish(qb ^ 1);
-#pragma unroll
-          for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-          m[0] = m[1] = -INFINITY;
-          l[0] = l[1] = 0.f;
-          WgmmaWait<0>();
-        } else {
-          FwdIssue<BN, D, BM>(s, o, p, sQw, sK + buf * BN * D, sV + prev * BN * D, j > 0, turns,
-                              jj);
-        }
-        FwdTileRest<BN, D>(o, s, p, m, l, pipe.k_empty + buf, pipe.v_empty + prev, j > 0, g,
-                           j * BN, q0t + wrow, lane);
-      }
-      pending = true;
-      pend_q0 = q0t;
-      pend_bh = bh;
-      if (n_own < n_ktt) {
-        // Tiles past this warpgroup's last pair: its last product and output come first (the
-        // stream wraps around to their buffers), then it waits for each later tile and hands
-        // it straight back, so every buffer gets all its arrivals.
-        if (n_own > 0) {
-          finish_alone(first + n_own - 1, qb);
-        } else {
-          finish(qb);
-        }
-        for (int j = n_own; j < n_ktt; ++j) {
-          const int jj = first + j, buf = jj & 1, phase = (jj >> 1) & 1;
-          turns.Take();
-          turns.Pass(jj);
-          MbarWait(pipe.k_full + buf, phase);
-          release(pipe.k_empty + buf);
-          MbarWait(pipe.v_full + buf, phase);
-          release(pipe.v_empty + buf);
-        }
-      }
-      first += n_ktt;
-    }
-  }
-  if (pending) finish_alone(first - 1, (i - 1) & 1);
+  if (C::kWarpgroups > 1 && wg == 0) turns.Take();
 #endif  // BLUJAX_WGMMA
 }
 
