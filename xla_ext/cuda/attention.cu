@@ -35,7 +35,7 @@
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first (the Hopper forward pairs the longest with the
-// shortest in one CTA, or in one unit of a persistent CTA's work at D = 128). Blocks are
+// shortest in one unit of a persistent CTA's work). Blocks are
 // numbered tile-fastest within one (batch, head), so the CTAs resident together read the same
 // K and V from L2.
 //
