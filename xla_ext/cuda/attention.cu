@@ -35,9 +35,8 @@
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
 // query blocks are issued longest first (the Hopper forward pairs the longest with the
-// shortest in one unit of a persistent CTA's work). Blocks are
-// numbered tile-fastest within one (batch, head), so the CTAs resident together read the same
-// K and V from L2.
+// shortest in one unit of a persistent CTA's work). Blocks are numbered tile-fastest within
+// one (batch, head), so the CTAs resident together read the same K and V from L2.
 //
 // float32 must match a float32 reference (no TF32), so it runs on plain FMAs: a SIMT kernel
 // of the same three-kernel shape where D/16 threads share a row, 16 columns each.
@@ -256,22 +255,21 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   // Units of work (see UnitBlocks): fewer than 2^31, as CheckGpuLimits bounds the blocks.
   const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
   const int64_t ctas = std::min<int64_t>(units, SmCount(device));
+  auto launch = [&](auto kernel, SmemOptIn& kernel_opt) {
+    return LaunchWith(op, kernel, kernel_opt, ctas, C::kThreads, C::kSmem, stream, device, maps,
+                      static_cast<bf16*>(out), lse, g, static_cast<int>(units), n_qt, lead,
+                      unit_counter);
+  };
   // Units cost the same unless a non-causal call's last block is only partly inside the
   // sequence or a causal call's middle block has no partner; then CTAs count off the units
   // as they go. Measured on an H100 at D = 64 (192-row blocks, so T = 2^k always has such a
   // block): every gridDim.x-th unit ran 4% slower than a CTA per block at causal T = 2048,
   // counted units 2% faster. Where units cost the same, counting was 1-5% slower at D = 128.
-  const bool counted = g.causal ? n_qt % 2 == 1 : g.tq % C::kBM != 0;
-  if (counted) {
-    if (cudaMemsetAsync(unit_counter, 0, sizeof(int), stream) != cudaSuccess)
-      return LastCudaError(op);
-    return LaunchWith(op, AttentionFwdSm90Kernel<C, true>, opt_counted, ctas, C::kThreads,
-                      C::kSmem, stream, device, maps, static_cast<bf16*>(out), lse, g,
-                      static_cast<int>(units), n_qt, lead, unit_counter);
-  }
-  return LaunchWith(op, AttentionFwdSm90Kernel<C, false>, opt, ctas, C::kThreads, C::kSmem,
-                    stream, device, maps, static_cast<bf16*>(out), lse, g,
-                    static_cast<int>(units), n_qt, lead, unit_counter);
+  if (g.causal ? n_qt % 2 == 0 : g.tq % C::kBM == 0)
+    return launch(AttentionFwdSm90Kernel<C, false>, opt);
+  if (cudaMemsetAsync(unit_counter, 0, sizeof(int), stream) != cudaSuccess)
+    return LastCudaError(op);
+  return launch(AttentionFwdSm90Kernel<C, true>, opt_counted);
 }
 
 template <int D>
