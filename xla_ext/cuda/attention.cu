@@ -245,6 +245,7 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, 64));
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.k, k, batch, g.tk, g.heads, D, C::kBN));
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.v, v, batch, g.tk, g.heads, D, C::kBN));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.out, out, batch, g.tq, g.heads, D, 16));
   // Causal: the blocks of query rows start `lead` rows before row 0 (whole warpgroups of 64,
   // less than a block), so the one block only partly inside the sequence is the first, whose
   // rows need the fewest key tiles, not the last, whose rows need them all (at T = 1024 a
@@ -257,8 +258,7 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   const int64_t ctas = std::min<int64_t>(units, SmCount(device));
   auto launch = [&](auto kernel, SmemOptIn& kernel_opt) {
     return LaunchWith(op, kernel, kernel_opt, ctas, C::kThreads, C::kSmem, stream, device, maps,
-                      static_cast<bf16*>(out), lse, g, static_cast<int>(units), n_qt, lead,
-                      unit_counter);
+                      lse, g, static_cast<int>(units), n_qt, lead, unit_counter);
   };
   // Units cost the same unless a non-causal call's last block is only partly inside the
   // sequence or a causal call's middle block has no partner; then CTAs count off the units

@@ -167,12 +167,6 @@ __device__ __forceinline__ void BulkReduceAdd(float* global, const float* shared
       "r"(SmemAddr(shared)), "r"(bytes)
       : "memory");
 }
-__device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void BulkWaitAll() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
 
 // dq (bfloat16, [B, Tq, H, D], rows g.grad_stride apart) = scale * the summed tiles, one CTA
 // of 4 D threads per tile, a thread per chunk (StoreDqFragments has the order). Both sides go

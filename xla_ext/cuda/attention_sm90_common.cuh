@@ -320,6 +320,32 @@ __device__ __forceinline__ void TmaTile(bf16* dst, int rows, const CUtensorMap* 
     TmaLoad(dst + half * rows * 64, map, half * 64, h, t0, b, bar);
 }
 
+// The other way: `rows` staged rows at `src` (in a shared tile of kRows rows, stored as its
+// 64-column halves) -> rows t0, t0 + 1, ... of (b, h), by bulk tensor stores (the map's box
+// has `rows` rows; rows past T are not written), committed as one group of this thread's. The
+// shared rows must stay as they are until BulkWaitRead.
+template <int D, int kRows>
+__device__ __forceinline__ void TmaStoreRows(const CUtensorMap* map, const bf16* src, int h,
+                                             int t0, int b) {
+#pragma unroll
+  for (int half = 0; half < D / 64; ++half)
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(half * 64), "r"(h), "r"(t0), "r"(b),
+        "r"(SmemAddr(src + half * kRows * 64))
+        : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Until this thread's bulk copies have read their shared memory (a thread with none goes on).
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Until they have completed.
+__device__ __forceinline__ void BulkWaitAll() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // The mbarriers and the producer loop of a kernel that holds one block of query rows and
 // streams the K and V tiles of its (batch, head) through kStages buffers each: tile j goes to
 // buffer j % kStages once tile j - kStages has left it (every consumer warp arrived on empty).
