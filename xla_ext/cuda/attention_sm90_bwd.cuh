@@ -27,13 +27,17 @@
 // each and releasing it so that the buffers' mbarriers count its arrival.
 // dQ in the dK/dV kernel: per query tile each consumer warpgroup also stores its dS^T
 // transposed (stmatrix .trans) as its 64-key half of dS [64 queries][128 keys] in shared
-// memory; after a barrier of the two, warpgroup w computes columns [w D / 2, (w + 1) D / 2)
-// of the tile's dQ share, dS K over all 128 keys (at D = 128 in S^T's registers, free by
-// then), and stages it as float32 in one of two buffers. The producer's third warp adds each
-// staged tile into the workspace with one bulk reduction (cp.reduce.async.bulk .add.f32) and
-// frees the buffer once it is read, so the consumers do not wait on the sums. The CTA's share
-// of dQ leaves it once per query tile: over a call the sums move Tk / 128 times dQ's float32
-// size through L2. Measured on an H100: 1.07-1.23x the two kernels' forward+backward at
+// memory. The warpgroups take turns to finish the tile's dQ share, dS K over all 128 keys:
+// warpgroup t % 2 owns query tile t. The owner waits for the other's half of dS, computes
+// dQ's columns 64 at a time in S^T's registers (free by then) and stages them as float32 in
+// its own buffer; the other only signals that its half is in and goes on to the next tile.
+// So the two fall half a tile apart and one's exponentials run beside the other's products
+// (1.02-1.07x forward+backward at D = 64 and 1.00-1.02x at D = 128 on an H100, against both
+// computing half of dQ's columns after a barrier every tile, which kept them in step). The
+// producer's third warp adds each staged tile into the workspace with one bulk reduction
+// (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so the owner does
+// not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
+// sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x the two kernels' forward+backward at
 // T >= 2048 and non-causal T = 1024 (D = 64 and 128), but 1.5-3% slower at causal T = 1024
 // and 8% at T = 512, so the Python side keeps the two kernels for causal calls up to 1024
 // keys; issuing the dQ product behind the next tile's S^T and dP^T instead of waiting for it
@@ -54,57 +58,32 @@ struct BwdSm90Maps {
 // ---------------------------------------------------------------------------------------------
 // dQ summed by the dK/dV kernel.
 
-// acc (64 x N) (+)= A B over 16 keys: A a K-major shared-memory tile (dS), B a transposed
-// (MN-major) one (K's rows of keys, N of its columns).
-template <int N>
-struct WgmmaTransB;
-
+// acc (64 x 64) (+)= A B over 16 keys: A a K-major shared-memory tile (dS), B a transposed
+// (MN-major) one (K's rows of keys, 64 of its columns).
 #define BLUJAX_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-template <>
-struct WgmmaTransB<32> {
-  static __device__ __forceinline__ void SS(float (&d)[4][4], uint64_t a, uint64_t b,
+__device__ __forceinline__ void WgmmaTransB(float (&d)[8][4], uint64_t a, uint64_t b,
                                             int accumulate) {
 #ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
-        "%7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
-        : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3)
-        : "l"(a), "l"(b), "r"(accumulate));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
+      "%7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
+      : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3), BLUJAX_D4(4), BLUJAX_D4(5),
+        BLUJAX_D4(6), BLUJAX_D4(7)
+      : "l"(a), "l"(b), "r"(accumulate));
 #endif
-  }
-};
-
-template <>
-struct WgmmaTransB<64> {
-  static __device__ __forceinline__ void SS(float (&d)[8][4], uint64_t a, uint64_t b,
-                                            int accumulate) {
-#ifdef BLUJAX_WGMMA
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
-        "%7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-        "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
-        : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3), BLUJAX_D4(4), BLUJAX_D4(5),
-          BLUJAX_D4(6), BLUJAX_D4(7)
-        : "l"(a), "l"(b), "r"(accumulate));
-#endif
-  }
-};
+}
 #undef BLUJAX_D4
-
-// A warpgroup's part of a dQ tile (64 queries x N = D / 2 of D's columns) = dS K: dS
-// [64][128 keys] as two swizzled 64-key halves, kcols the first of the N columns in the
-// [128 keys][D] K tile (at D = 64, 64 bytes into its swizzled rows; at D = 128, a half).
-template <int N>
-__device__ __forceinline__ void IssueDsK(float (&acc)[N / 8][4], const bf16* ds,
-                                         const bf16* kcols) {
+// 64 columns of a dQ tile (64 queries x D) = dS K: dS [64][128 keys] as two swizzled 64-key
+// halves, kcols the [128 keys][64] half of the K tile that holds the columns.
+__device__ __forceinline__ void IssueDsK(float (&acc)[8][4], const bf16* ds, const bf16* kcols) {
   const uint64_t da = Sw128Desc(ds), db = Sw128Desc(kcols, 128 * 64 * sizeof(bf16));
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int half = kk / 4, at = (kk % 4) * 16;
-    WgmmaTransB<N>::SS(acc, DescPlus(da, (half * 64 * 64 + at) * sizeof(bf16)),
-                       DescPlus(db, kk * 16 * 64 * sizeof(bf16)), kk > 0);
+    WgmmaTransB(acc, DescPlus(da, (half * 64 * 64 + at) * sizeof(bf16)),
+                DescPlus(db, kk * 16 * 64 * sizeof(bf16)), kk > 0);
   }
   WgmmaCommit();
 }
@@ -127,36 +106,39 @@ __device__ __forceinline__ void StoreDsTransposed(bf16* half, const uint32_t (&d
   }
 }
 
-// dQ tiles (64 x D) are summed in the order the accumulators hold them, not row-major: with
-// N = D / 2 columns a warpgroup, chunk ((w * 4 + warp) * N / 8 + n) * 8 + lane / 4 of 16
-// floats holds rows warp * 16 + lane / 4 (+ 8) and columns N w + 8 n .. + 8, each lane's 4
-// floats one 16-byte store here (no bank conflicts) and DqFromSums reading a chunk as two
-// rows' 8 columns.
-template <int N>
-__device__ __forceinline__ void StoreDqFragments(float* tile, const float (&acc)[N / 8][4],
-                                                 int wg, int warp, int lane) {
+// dQ tiles (64 x D) are summed in the order the accumulators hold them, not row-major: chunk
+// (warp * D / 8 + n) * 8 + lane / 4 of 16 floats holds rows warp * 16 + lane / 4 (+ 8) and
+// columns 8 n .. 8 n + 8, each lane's 4 floats one 16-byte store here (a warp writes 512
+// contiguous bytes, no bank conflicts) and DqFromSums reading a chunk as two rows' 8 columns.
+// This stores columns [64 c, 64 c + 64).
+template <int D>
+__device__ __forceinline__ void StoreDqChunk(float* tile, const float (&acc)[8][4], int c,
+                                             int warp, int lane) {
 #pragma unroll
-  for (int n = 0; n < N / 8; ++n)
-    *reinterpret_cast<float4*>(tile + (((wg * 4 + warp) * (N / 8) + n) * 32 + lane) * 4) =
+  for (int n = 0; n < 8; ++n)
+    *reinterpret_cast<float4*>(tile + ((warp * (D / 8) + 8 * c + n) * 32 + lane) * 4) =
         make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
 }
 
-// Named barriers between the consumers (256 threads) and the warp that sums the dQ tiles:
-// 2 + buf "tile buf staged" (consumers arrive, the summing warp waits), 4 + buf "tile buf
-// read out" (the other way round). Barrier 1 is the consumers' own.
-__device__ __forceinline__ void DqTileFull(int buf, bool arrive) {
+// Named barriers of the dQ sums; buf is also the warpgroup that stages into that buffer.
+// 2 + buf "tile buf staged" (warpgroup buf arrives, the summing warp waits) and 4 + buf "tile
+// buf read out" (the other way round), 160 threads; 6 + buf "both halves of dS buffer buf
+// in" (the other warpgroup arrives, warpgroup buf waits), 256. Barrier 1 is the consumers'.
+__device__ __forceinline__ void NamedBarrier(int id, int threads, bool arrive) {
   if (arrive) {
-    asm volatile("bar.arrive %0, 288;\n" ::"r"(2 + buf) : "memory");
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   } else {
-    asm volatile("bar.sync %0, 288;\n" ::"r"(2 + buf) : "memory");
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   }
 }
+__device__ __forceinline__ void DqTileFull(int buf, bool arrive) {
+  NamedBarrier(2 + buf, 128 + 32, arrive);
+}
 __device__ __forceinline__ void DqTileEmpty(int buf, bool arrive) {
-  if (arrive) {
-    asm volatile("bar.arrive %0, 288;\n" ::"r"(4 + buf) : "memory");
-  } else {
-    asm volatile("bar.sync %0, 288;\n" ::"r"(4 + buf) : "memory");
-  }
+  NamedBarrier(4 + buf, 128 + 32, arrive);
+}
+__device__ __forceinline__ void DsHalvesIn(int buf, bool arrive) {
+  NamedBarrier(6 + buf, 256, arrive);
 }
 
 // global[0, bytes) += shared[0, bytes) in float32, by the TMA unit (a bulk reduction).
@@ -169,7 +151,7 @@ __device__ __forceinline__ void BulkReduceAdd(float* global, const float* shared
 }
 
 // dq (bfloat16, [B, Tq, H, D], rows g.grad_stride apart) = scale * the summed tiles, one CTA
-// of 4 D threads per tile, a thread per chunk (StoreDqFragments has the order). Both sides go
+// of 4 D threads per tile, a thread per chunk (StoreDqChunk has the order). Both sides go
 // through shared memory so that every warp reads and writes whole contiguous runs: the tile
 // in as it lies, then each thread's chunk out of it, and the bfloat16 tile back in as rows,
 // written out 16 bytes a thread along each row. With a chunk a thread straight from and to
@@ -181,7 +163,7 @@ __device__ __forceinline__ void BulkReduceAdd(float* global, const float* shared
 template <int D>
 __global__ void __launch_bounds__(4 * D) DqFromSums(const float* __restrict__ dq_sum,
                                                     bf16* __restrict__ dq, Geometry g, int n_qt) {
-  constexpr int N = D / 2, kThreads = 4 * D, kF4 = 16 * D;  // float4s a tile
+  constexpr int kThreads = 4 * D, kF4 = 16 * D;  // float4s a tile
   __shared__ float4 staged[kF4 + kF4 / 8];
   auto at = [](int i) { return i + i / 8; };
   const int64_t tile = blockIdx.x, bh = tile / n_qt;
@@ -193,8 +175,8 @@ __global__ void __launch_bounds__(4 * D) DqFromSums(const float* __restrict__ dq
   float4 f[4];
 #pragma unroll
   for (int t = 0; t < 4; ++t) f[t] = staged[at(4 * c + t)];
-  const int gr = c % 8, n = c / 8 % (N / 8), warp = c / N % 4, w = c / (4 * N);
-  const int r0 = warp * 16 + gr, c0 = w * N + n * 8;  // this chunk's rows r0, r0 + 8
+  const int gr = c % 8, n = c / 8 % (D / 8), warp = c / D;
+  const int r0 = warp * 16 + gr, c0 = n * 8;  // this chunk's rows r0, r0 + 8
   const float s = g.scale;
   __syncthreads();  // every thread has read its chunk: the bfloat16 tile goes where they were
   // [64][D / 8 + 1] uint4: rows padded by 16 bytes, so a quarter warp's 8 rows miss each other
@@ -228,7 +210,8 @@ struct BwdKvSm90Cfg {
   static constexpr int kWarpgroups = 2, kBN = 64 * kWarpgroups;  // keys per CTA
   static constexpr int kConsumers = 128 * kWarpgroups, kThreads = kConsumers + 128;
   static constexpr int kConsumerRegs = 240, kProducerRegs = 24;
-  // With kDq: two buffers of dS [BM][kBN] bfloat16 and two of a dQ tile [BM][D] float32.
+  // With kDq: two buffers of dS [BM][kBN] bfloat16 and two of a dQ tile [BM][D] float32
+  // (one a warpgroup).
   static constexpr int kDqBytes = kDq ? 2 * BM * kBN * 2 + 2 * BM * D * 4 : 0;
   // K, V, kStages x (Q, dO, lse, delta), the mbarriers, and room to align to 1024 bytes.
   static constexpr int kSmem = (2 * kBN + 2 * kStages * BM) * D * int(sizeof(bf16)) + kDqBytes +
@@ -353,27 +336,6 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   // pass, waiting for each so that its arrival counts for that tile.
   // (With dQ sums both warpgroups run every tile: they meet at a barrier per tile.)
   const int mine = g.causal && !kDq ? min((k0 + wg * 64) / BM, n_qt) : first;
-  // dQ's accumulators, N = D / 2 columns: at D = 128 they are st's registers, free once dS^T
-  // is computed (there is no room for more beside dK's and dV's).
-  constexpr int N = D / 2;
-  float dq_own[kDq && D == 64 ? N / 8 : 1][4];
-  auto& dq_acc = [&]() -> auto& {
-    if constexpr (D == 64) {
-      return dq_own;
-    } else {
-      static_assert(N / 8 == BM / 8, "st's shape");
-      return st;
-    }
-  }();
-  // dQ tile t into buffer t % 2 once the sum of tile t - 2 has read it out.
-  auto stage_dq = [&](int t) {
-    if constexpr (kDq) {
-      if (t >= 2) DqTileEmpty(t % 2, false);
-      StoreDqFragments<N>(sdQ + (t % 2) * BM * D, dq_acc, wg, warp, lane);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      DqTileFull(t % 2, true);
-    }
-  };
   for (int i = first; i < mine; ++i) {
     const int buf = (i - first) % S;
     MbarWait(full + buf, ((i - first) / S) & 1);
@@ -423,18 +385,31 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
     IssueAccumulate<BM, D>(dk_acc, dst, cQ);  // dK += dS^T Q (scaled at the end)
     if constexpr (kDq) {
       // dS (queries x keys) into shared memory, this warpgroup's 64 keys as one swizzled
-      // 64-column half; once both halves are in, dQ's tile = dS K over the CTA's 128 keys,
-      // warpgroup w taking columns [w D / 2, (w + 1) D / 2).
+      // 64-column half. Tile t's owner (t % 2) waits for the other half, computes dQ's tile
+      // share, dS K over the CTA's 128 keys, 64 columns at a time in S^T's registers, and
+      // stages it in its buffer; the other goes on (its dS buffer is next written in tile
+      // t + 2, after it has waited as owner of t + 1 for the owner of t to be done).
       const int t = i - mine, dbuf = t % 2;
       bf16* cdS = sdS + dbuf * BM * BN;
       StoreDsTransposed(cdS + wg * BM * 64, dst, warp, lane);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      asm volatile("bar.sync 1, %0;\n" ::"n"(C::kConsumers) : "memory");
-      WgmmaFence();
-      IssueDsK<N>(dq_acc, cdS, D == 64 ? sK + wg * 32 : sK + wg * BN * 64);
-      WgmmaWait<0>();
-      FenceRegs(dq_acc);
-      stage_dq(t);
+      if (wg == dbuf) {
+        DsHalvesIn(dbuf, false);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          WgmmaFence();
+          IssueDsK(st, cdS, sK + c * BN * 64);
+          WgmmaWait<0>();
+          FenceRegs(st);
+          if (c == 0 && t >= 2) DqTileEmpty(dbuf, false);
+          StoreDqChunk<D>(sdQ + dbuf * BM * D, st, c, warp, lane);
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        DqTileFull(dbuf, true);
+      } else {
+        DsHalvesIn(dbuf, true);
+        WgmmaWait<0>();
+      }
     } else {
       WgmmaWait<0>();
     }
@@ -444,7 +419,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
     FenceRegs(dst);
     release(empty + buf);
   }
-  // The other warpgroup's last dQ product may still read sK, which is staged into below.
+  // The owner of the last tile's dQ product may still read sK, which is staged into below.
   if constexpr (kDq) asm volatile("bar.sync 1, %0;\n" ::"n"(C::kConsumers) : "memory");
 
   // Stage in this warp's own rows of sK / sV (only its warpgroup's finished MMAs read them),
