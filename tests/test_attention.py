@@ -20,7 +20,8 @@ from jax.test_util import check_grads
 
 from blujax import kernels as ops
 from blujax.kernels import xla as spec
-from blujax.kernels.attention import GPU_HEAD_DIMS, dq_room, xla_deterministic
+from blujax.kernels.attention import (CAUSAL_TWO_KERNEL_KEYS, GPU_HEAD_DIMS, dq_room,
+                                      xla_deterministic)
 from tests.conftest import ON_GPU
 from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
@@ -415,11 +416,12 @@ def _outside_deterministic_mode(monkeypatch):
 
 @pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES[:-1] + [
     pytest.param(1100, 1100, True, 128, marks=pytest.mark.gpu),  # causal, and summed on Hopper
+    pytest.param(1000, 1000, True, 64, marks=pytest.mark.gpu),
 ], ids=str)
 def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d):
     # The tests run in XLA's deterministic mode (conftest), where the backward keeps its two
     # kernels; here the summing kernel runs on Hopper, through attention and attention_qkv
-    # (except in causal calls of up to 1024 keys, which keep the two kernels in any mode).
+    # (except in causal calls of few keys, which keep the two kernels in any mode).
     _outside_deterministic_mode(monkeypatch)
     fresh = functools.partial(ops.attention_with_lse)  # a new static argument: a new trace
     q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
@@ -439,8 +441,8 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
         q).as_text()
     room = f"tensor<{B}x{H}x{tq + dq_room(tq, d)}xf32>"
     hopper = ON_GPU and jax.devices()[0].compute_capability == "9.0"
-    # Causal calls up to Tk = 1024 keep the two kernels (too few key blocks a query tile).
-    assert (room in hlo) == (hopper and not (causal and tk <= 1024))
+    # Short causal calls keep the two kernels (too few key blocks a query tile).
+    assert (room in hlo) == (hopper and not (causal and tk <= CAUSAL_TWO_KERNEL_KEYS[d]))
 
 
 def test_xla_deterministic_flag(monkeypatch):

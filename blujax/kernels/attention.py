@@ -161,20 +161,25 @@ def _workspace(q, lse, causal, tk):
     of dq once (bit-for-bit reruns)."""
     b, tq, h, d = q.shape
     extra = 0
-    if _sums_dq(q.dtype, causal, tk):
+    if _sums_dq(q.dtype, causal, tk, d):
         extra = dq_room(tq, d)
     return result_type(lse, (b, h, tq + extra), lse.dtype)
 
 
-def _sums_dq(dtype, causal, tk: int) -> bool:
-    """Whether the backward sums dQ in its dK/dV kernel (see _workspace). Not for causal calls
-    of Tk <= 1024: a query tile there gets at most 8 key blocks' shares, on average half that,
-    too few to repay zeroing the float32 sums and converting them; on an H100 the two kernels
-    ran 1.5-3% faster at T = 1024 and 8% at T = 512, and the summing kernel 7-8% faster at
-    causal T = 2048 (benchmarks/RESULTS.md)."""
+# Causal calls of up to this many keys (by head size) keep the two-kernel backward (_sums_dq).
+CAUSAL_TWO_KERNEL_KEYS = {64: 512, 128: 768}
+
+
+def _sums_dq(dtype, causal, tk: int, d: int) -> bool:
+    """Whether the backward sums dQ in its dK/dV kernel (see _workspace). Not for short causal
+    calls (CAUSAL_TWO_KERNEL_KEYS): a query tile there gets the shares of few key blocks, half
+    of them on average, too few to repay zeroing the float32 sums and converting them. On an
+    H100 (forward+backward, benchmarks/RESULTS.md) the summing kernel ran, against the two
+    kernels, at causal T = 256 / 512 / 640 / 768 / 1024: 0.92 / 1.02 / 1.04 / 1.05 / 1.11x at
+    D = 64; - / 0.87 / 0.94 / 0.97 / 1.05x at D = 128."""
     if dtype != jnp.bfloat16 or not _hopper() or xla_deterministic():
         return False
-    return not (causal and tk <= 1024)
+    return not (causal and tk <= CAUSAL_TWO_KERNEL_KEYS.get(d, 0))
 
 
 def dq_room(tq: int, d: int) -> int:

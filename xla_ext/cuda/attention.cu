@@ -25,7 +25,7 @@
 // instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
 // warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
 // (FlashAttention-3's schedule). Where the workspace has room for it (the Python side gives
-// it unless XLA's deterministic mode is on or the call is causal with Tk <= 1024, where too
+// it unless XLA's deterministic mode is on or the call is causal with few keys, where too
 // few key blocks share a query tile to pay), the dK/dV kernel also computes dQ's share of its
 // keys and adds it into float32 tiles in the workspace (TMA bulk reductions), and a small
 // kernel scales them into dq: 5 products per (query, key) tile pair instead of 7, but the

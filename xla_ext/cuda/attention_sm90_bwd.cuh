@@ -36,12 +36,14 @@
 // computing half of dQ's columns after a barrier every tile, which kept them in step). The
 // producer's third warp adds each staged tile into the workspace with one bulk reduction
 // (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so the owner does
-// not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call the
-// sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x the two kernels' forward+backward at
-// T >= 2048 and non-causal T = 1024 (D = 64 and 128), but 1.5-3% slower at causal T = 1024
-// and 8% at T = 512, so the Python side keeps the two kernels for causal calls up to 1024
-// keys; issuing the dQ product behind the next tile's S^T and dP^T instead of waiting for it
-// made ptxas serialise the wgmmas (C7514) and ran 0.92-1.08x.
+// not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call
+// the sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x
+// the two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128);
+// with the turns also 1.11x / 1.05x at causal T = 1024 (D = 64 / 128), but 0.92x at causal
+// T = 256, D = 64 and 0.97x at T = 768, D = 128, so the Python side keeps the two kernels for
+// causal calls up to 512 / 768 keys (CAUSAL_TWO_KERNEL_KEYS); issuing the dQ product behind the next tile's S^T and dP^T instead
+// of waiting for it (before the turns) made ptxas serialise the wgmmas (C7514) and ran
+// 0.92-1.08x.
 
 #pragma once
 
