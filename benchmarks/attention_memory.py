@@ -8,8 +8,8 @@ of the compiled program: arguments + outputs + temporaries is the peak the progr
 beyond what the caller already holds (XLA allocates temporaries for the whole program up
 front). Nothing is run, so a contender that would not fit still reports its need. Ours keeps
 O(T) residuals (out, lse, delta; on Hopper also a float32 dQ workspace, unless XLA's
-deterministic mode is on or the call is causal with at most 1024 keys) where XLA's jnp
-attention keeps the [B, H, T, T] scores.
+deterministic mode is on or the call is causal and short) where XLA's jnp attention keeps
+the [B, H, T, T] scores.
 --quick: a small shape that also runs on the CPU.
 """
 
