@@ -41,9 +41,9 @@
 // the two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128);
 // with the turns also 1.11x / 1.05x at causal T = 1024 (D = 64 / 128), but 0.92x at causal
 // T = 256, D = 64 and 0.97x at T = 768, D = 128, so the Python side keeps the two kernels for
-// causal calls up to 512 / 768 keys (CAUSAL_TWO_KERNEL_KEYS); issuing the dQ product behind the next tile's S^T and dP^T instead
-// of waiting for it (before the turns) made ptxas serialise the wgmmas (C7514) and ran
-// 0.92-1.08x.
+// causal calls up to 512 / 768 keys (CAUSAL_TWO_KERNEL_KEYS). Issuing the dQ product behind
+// the next tile's S^T and dP^T instead of waiting for it (before the turns) made ptxas
+// serialise the wgmmas (C7514) and ran 0.92-1.08x.
 
 #pragma once
 
@@ -422,7 +422,7 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
     release(empty + buf);
   }
   // The owner of the last tile's dQ product may still read sK, which is staged into below.
-  if constexpr (kDq) asm volatile("bar.sync 1, %0;\n" ::"n"(C::kConsumers) : "memory");
+  if constexpr (kDq) NamedBarrier(1, C::kConsumers, false);
 
   // Stage in this warp's own rows of sK / sV (only its warpgroup's finished MMAs read them),
   // and write whole 16-byte chunks.
