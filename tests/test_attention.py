@@ -9,6 +9,7 @@ sequences, grids with more than 65535 (batch, head) pairs, the GPU's head-size c
 import contextlib
 import functools
 import importlib
+import math
 import os
 
 import jax
@@ -23,7 +24,7 @@ from blujax.kernels import xla as spec
 from blujax.kernels.attention import (CAUSAL_TWO_KERNEL_KEYS, GPU_HEAD_DIMS, dq_room,
                                       xla_deterministic)
 from tests.conftest import ON_GPU
-from tests.util import assert_close, cpu_float64, mesh_devices, randn
+from tests.util import assert_close, cpu_float64, mesh_devices, randn, rel_close
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 # (Tq, Tk, causal, D). The GPU's tiles are 16 to 64 rows; the lengths are not multiples of
@@ -126,6 +127,39 @@ def test_check_grads_float64(rng, tq, tk, causal):
         assert_close(lse, lse_ref, jnp.float64)
         f = functools.partial(ops.attention_with_lse, causal=causal)
         check_grads(f, (q, k, v), order=1, modes=("rev",))
+
+
+def _attention_float64(q, k, v, causal, scale):
+    """(out, lse) in float64 jnp with the scale exactly as given: the spec's arithmetic."""
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=hi) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v, precision=hi), lse
+
+
+@pytest.mark.parametrize("d", [128, 40])
+def test_float64_scale_is_exact(rng, d):
+    # The float64 kernels take scale at float64: 1/sqrt(D) rounded to float32 (exact only where
+    # D is a power of 4) put their results and gradients 4e-9 to 3e-8 off, where float64
+    # rounding leaves about 1e-15.
+    with cpu_float64():
+        q, k, v = _qkv(rng, 19, 19, d, jnp.float64, b=1, h=2)
+        ct_out, ct_lse = randn(rng, q.shape, jnp.float64), randn(rng, (1, 2, 19), jnp.float64)
+        scale = 1 / math.sqrt(d)
+        for causal in (True, False):
+            ours = functools.partial(ops.attention_with_lse, causal=causal)
+            ref = functools.partial(_attention_float64, causal=causal, scale=scale)
+            rel_close(ours(q, k, v), ref(q, k, v), 1e-14)
+            rel_close(jax.grad(_loss(ours), argnums=(0, 1, 2))(q, k, v, ct_out, ct_lse),
+                      jax.grad(_loss(ref), argnums=(0, 1, 2))(q, k, v, ct_out, ct_lse), 1e-14)
+            # The qkv form's backward is a handler of its own.
+            qkv = jnp.stack([q, k, v], axis=2)
+            ours_qkv = functools.partial(ops.attention_qkv, causal=causal)
+            ref_qkv = lambda x: ref(x[:, :, 0], x[:, :, 1], x[:, :, 2])[0]  # noqa: E731
+            rel_close(jax.grad(lambda x: jnp.sum(ours_qkv(x) * ct_out))(qkv),
+                      jax.grad(lambda x: jnp.sum(ref_qkv(x) * ct_out))(qkv), 1e-14)
 
 
 def test_jit_and_remat(rng):
@@ -272,7 +306,7 @@ def test_qkv_handler_rejects_inconsistent_buffers(rng, case):
         args = (q, k[:, :5], v[:, :5], q, lse, q, lse)
     with pytest.raises(Exception, match="blujax_attention_qkv_bwd"):
         jax.block_until_ready(_raw("blujax_attention_qkv_bwd", outs, *args, causal=False,
-                                   scale=np.float32(0.3)))
+                                   scale=np.float64(0.3)))
 
 
 # --- errors a user can act on, at trace time ----------------------------------------------------
@@ -326,7 +360,7 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
     o, l = sds(q.shape, jnp.float32), sds((B, H, 6), jnp.float32)
     c = sds((1,), jnp.int32)  # the forward's scratch counter
     fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
-    attrs = dict(causal=True, scale=np.float32(0.3))
+    attrs = dict(causal=True, scale=np.float64(0.3))
     lse = jnp.zeros((B, H, 6), jnp.float32)
     bwd_args = (q, k, v, q, lse, q, lse)
     calls = {
@@ -340,7 +374,7 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
                              q.reshape(B, 6, H * d), k, v, **attrs),
         "causal_lengths": lambda: _raw(fwd, (o, l, c), q, k[:, :5], v[:, :5], **attrs),
         "scale_nan": lambda: _raw(fwd, (o, l, c), q, k, v, causal=False,
-                                  scale=np.float32("nan")),
+                                  scale=np.float64("nan")),
         "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, d), jnp.float32), o, l),
                                  *bwd_args, **attrs),
         "dlse_shape": lambda: _raw(bwd, (o, o, o, l), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
@@ -357,6 +391,22 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
         jax.block_until_ready(calls[case]())
 
 
+def test_handler_checks_scale_at_kernel_precision(rng):
+    # scale arrives as a float64; the float32 and bfloat16 kernels use it as a float32, where
+    # 1e-50 is 0. The float64 kernel takes it as it is (every key then weighs the same).
+    q, k, v = _qkv(rng, 6, 6, 64, jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    outs = (sds(q.shape, q.dtype), sds((B, H, 6), jnp.float32), sds((1,), jnp.int32))
+    with pytest.raises(Exception, match="blujax_attention_fwd: scale must be finite and > 0 as "
+                                        "a float32"):
+        jax.block_until_ready(_raw("blujax_attention_fwd", outs, q, k, v, causal=False,
+                                   scale=np.float64(1e-50)))
+    with cpu_float64():
+        q, k, v = (x.astype(jnp.float64) for x in (q, k, v))
+        out = ops.attention(q, k, v, causal=False, scale=1e-50)
+        rel_close(out, jnp.broadcast_to(v.mean(axis=1, keepdims=True), out.shape), 1e-14)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_bwd_returns_delta(rng, dtype):
     # The contract's fourth backward output, the same on both platforms:
@@ -370,7 +420,7 @@ def test_bwd_returns_delta(rng, dtype):
     results = (sds(q.shape, dtype), sds(k.shape, dtype), sds(v.shape, dtype),
                sds(lse.shape, jnp.float32))
     *_, delta = _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
-                     causal=False, scale=np.float32(0.125))
+                     causal=False, scale=np.float64(0.125))
     f32 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     want = np.einsum("bqhd,bqhd->bhq", f32(dout), f32(out)) - f32(dlse)
     assert delta.dtype == jnp.float32 and delta.shape == (B, H, tq)
@@ -397,7 +447,7 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
         results = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
                    sds((B, H, tq + extra), jnp.float32))
         return _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
-                    causal=causal, scale=np.float32(1 / np.sqrt(d)))
+                    causal=causal, scale=np.float64(1 / np.sqrt(d)))
 
     *two, delta = bwd(0)
     *summed, delta_room = bwd(dq_room(tq, d))
@@ -479,7 +529,7 @@ def test_gpu_rejects_unsupported_head_sizes(rng):
         jax.block_until_ready(_raw("blujax_attention_fwd", (sds(q.shape, q.dtype),
                                                             sds((B, H, 8), jnp.float32),
                                                             sds((1,), jnp.int32)),
-                                   q, k, v, causal=True, scale=np.float32(0.1)))
+                                   q, k, v, causal=True, scale=np.float64(0.1)))
 
 
 @pytest.mark.gpu

@@ -31,7 +31,8 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
 
     q: [B, Tq, H, D]; k, v: [B, Tk, H, D], one dtype (float32, bfloat16, or float64 on the CPU).
     On a GPU, D must be 64 or 128 (GPU_HEAD_DIMS). causal=True masks keys after the query and
-    needs Tq == Tk. scale defaults to 1/sqrt(D) and reaches the kernels as a float32. Returns
+    needs Tq == Tk. scale defaults to 1/sqrt(D); it reaches the kernels as a float64, which
+    they use at their precision (float64 for float64, float32 otherwise). Returns
     [B, Tq, H, D] in q's dtype.
     """
     return _attention_op("attention", q, k, v, causal, scale)[0]
@@ -128,7 +129,7 @@ def _fwd_call(q, k, v, causal, scale):
         (result_type(q), result_type(q, (b, h, tq), _lse_dtype(q.dtype)),
          result_type(q, (1,), jnp.int32)),
         vmap_method="sequential",
-    )(q, k, v, causal=causal, scale=np.float32(scale))
+    )(q, k, v, causal=causal, scale=np.float64(scale))
     return out, lse
 
 
@@ -210,7 +211,7 @@ def _attention_bwd(causal, scale, res, cts):
         "blujax_attention_bwd",
         (result_type(q), result_type(k), result_type(v), _workspace(q, lse, causal, k.shape[1])),
         vmap_method="sequential",
-    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale))
     return dq, dk, dv
 
 
@@ -240,7 +241,7 @@ def _attention_qkv_bwd(causal, scale, res, dout):
         "blujax_attention_qkv_bwd",
         (result_type(q, (b, t, 3, h, d)), _workspace(q, lse, causal, t)),
         vmap_method="sequential",
-    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float32(scale))
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale))
     return (dqkv,)
 
 

@@ -108,11 +108,13 @@ def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = No
     """(softmax(scale * q k^T [+ causal mask]) v, lse) over q [B, Tq, H, D], k, v [B, Tk, H, D].
 
     lse [B, H, Tq] is the log-sum-exp of each query's scaled scores, float32 (float64 for
-    float64). causal masks keys after the query (Tq == Tk). scale defaults to 1/sqrt(D) and is
-    rounded to float32, as the kernels receive it.
+    float64). causal masks keys after the query (Tq == Tk). scale defaults to 1/sqrt(D); below
+    float64 it is rounded to float32, as the kernels use it.
     """
     ct = _compute_dtype(q.dtype)
-    scale = float(np.float32(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if ct != jnp.float64:
+        scale = float(np.float32(scale))
     hi = jax.lax.Precision.HIGHEST  # an oracle: no TF32 on a GPU
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k.astype(ct), precision=hi) * scale
     if causal:

@@ -4,7 +4,8 @@
 // blujax_attention_fwd  (q, k, v)                         -> (out, lse, counter)
 // blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv, delta)
 // blujax_attention_qkv_bwd  (the same operands)            -> (dqkv, delta)
-// attributes: causal (bool), scale (float32, finite and > 0)
+// attributes: causal (bool), scale (float64, finite and > 0; each kernel takes it at its own
+// precision: double for float64 inputs, float for float32 and bfloat16)
 //
 // q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
 // projection gives without a transpose), all of one float dtype. lse, dlse and delta are
@@ -29,6 +30,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "common/ffi_util.h"
 
@@ -80,7 +82,7 @@ inline ffi::Error CheckSame(const char* op, const char* name, const ffi::AnyBuff
 // q, k, v and the attributes; fills dims.
 inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
                                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                       bool causal, float scale, bool allow_f64,
+                                       bool causal, double scale, bool allow_f64,
                                        AttentionDims* dims) {
   BLUJAX_RETURN_IF_ERROR(CheckAttentionTensor(op, "q", q, allow_f64));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionTensor(op, "k", k, allow_f64));
@@ -103,8 +105,13 @@ inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
   if (causal && dims->q_len != dims->kv_len)
     return InvalidArgument(op, ": causal attention needs as many queries as keys, got Tq = ",
                            dims->q_len, " and Tk = ", dims->kv_len);
-  if (!(scale > 0.0f) || !std::isfinite(scale))
+  if (!(scale > 0.0) || !std::isfinite(scale))
     return InvalidArgument(op, ": scale must be finite and > 0, got ", scale);
+  // The float kernels round scale to float: it must stay finite and > 0 there too.
+  if (q.element_type() != ffi::DataType::F64 &&
+      !(scale <= std::numeric_limits<float>::max() && static_cast<float>(scale) > 0.0f))
+    return InvalidArgument(op, ": scale must be finite and > 0 as a float32 (the precision of ",
+                           DtypeName(q.element_type()), " attention), got ", scale);
   return ffi::Error::Success();
 }
 
@@ -151,7 +158,7 @@ inline ffi::Error CheckAttentionBwd(const char* op, const ffi::AnyBuffer& q,
                                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                     const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                                     const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
-                                    const ffi::AnyBuffer& delta, bool causal, float scale,
+                                    const ffi::AnyBuffer& delta, bool causal, double scale,
                                     bool allow_f64, AttentionDims* d) {
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
   return CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d);

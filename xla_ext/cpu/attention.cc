@@ -61,10 +61,10 @@ inline int64_t KeysInBlock(bool causal, int64_t qi, int64_t k0, int64_t nk) {
 template <typename T>
 void AttentionFwdImpl(const T* q, const T* k, const T* v, T* out,
                       typename Compute<T>::type* lse, const AttentionDims& d, bool causal,
-                      float scale_f) {
+                      double scale_attr) {
   using S = typename Compute<T>::type;
   const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
-  const S scale = static_cast<S>(scale_f);
+  const S scale = static_cast<S>(scale_attr);  // exact for float64, rounded to float otherwise
   const S neg_inf = -std::numeric_limits<S>::infinity();
   // Per call, so XLA may run several calls at once.
   std::vector<S> qh(tq * dh), kh(tk * dh), vh(tk * dh), oh(tq * dh);
@@ -122,10 +122,10 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
                       const typename Compute<T>::type* lse, const T* dout,
                       const typename Compute<T>::type* dlse, T* dq, T* dk, T* dv,
                       typename Compute<T>::type* delta_out, int64_t grad_stride,
-                      const AttentionDims& d, bool causal, float scale_f) {
+                      const AttentionDims& d, bool causal, double scale_attr) {
   using S = typename Compute<T>::type;
   const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
-  const S scale = static_cast<S>(scale_f);
+  const S scale = static_cast<S>(scale_attr);  // exact for float64, rounded to float otherwise
   std::vector<S> qh(tq * dh), kh(tk * dh), vh(tk * dh), oh(tq * dh), doh(tq * dh);
   std::vector<S> dqh(tq * dh), dkh(tk * dh), dvh(tk * dh);
   for (int64_t b = 0; b < d.batch; ++b) {
@@ -184,7 +184,7 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
 
 ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                        ffi::Result<ffi::AnyBuffer> counter, bool causal, float scale) {
+                        ffi::Result<ffi::AnyBuffer> counter, bool causal, double scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
@@ -204,7 +204,7 @@ ffi::Error AttentionBwdImpl(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                             ffi::AnyBuffer dout, ffi::AnyBuffer dlse, void* dq, void* dk,
                             void* dv, int64_t grad_stride, ffi::AnyBuffer* delta,
-                            const AttentionDims& d, bool causal, float scale) {
+                            const AttentionDims& d, bool causal, double scale) {
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
@@ -219,7 +219,7 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                        bool causal, float scale) {
+                        bool causal, double scale) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
@@ -233,7 +233,7 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                            ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dqkv,
-                           ffi::Result<ffi::AnyBuffer> delta, bool causal, float scale) {
+                           ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
@@ -257,7 +257,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32 (f64 for f64)
                            .Ret<ffi::AnyBuffer>()   // counter [1] s32, the GPU's scratch
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"));
+                           .Attr<double>("scale"));  // f64: exact for f64 inputs, a float otherwise
 
 XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                        ffi::Ffi::Bind()
@@ -273,7 +273,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq]: rowsum(dout out) - dlse
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"));
+                           .Attr<double>("scale"));  // f64: exact for f64 inputs, a float otherwise
 
 XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                        ffi::Ffi::Bind()
@@ -287,7 +287,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                            .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]
                            .Ret<ffi::AnyBuffer>()   // delta [B, H, T]: rowsum(dout out) - dlse
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"));
+                           .Attr<double>("scale"));  // f64: exact for f64 inputs, a float otherwise
 
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
 BLUJAX_REGISTER(blujax_attention_bwd, kAttentionBwd);

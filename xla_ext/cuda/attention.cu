@@ -425,14 +425,14 @@ ffi::Error CheckGpuLimits(const char* op, const AttentionDims& d,
   return ffi::Error::Success();
 }
 
-Geometry MakeGeometry(const AttentionDims& d, bool causal, float scale) {
+Geometry MakeGeometry(const AttentionDims& d, bool causal, double scale) {
   Geometry g;
   g.heads = static_cast<int>(d.heads);
   g.tq = static_cast<int>(d.q_len);
   g.tk = static_cast<int>(d.kv_len);
   g.causal = causal;
-  g.scale = scale;
-  g.scale_log2 = scale * kLog2e;
+  g.scale = static_cast<float>(scale);  // the attribute is float64 for the CPU's float64 kernel
+  g.scale_log2 = g.scale * kLog2e;
   g.grad_stride = d.heads * d.head_dim;
   return g;
 }
@@ -440,7 +440,7 @@ Geometry MakeGeometry(const AttentionDims& d, bool causal, float scale) {
 ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> counter,
-                        bool causal, float scale) {
+                        bool causal, double scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
@@ -498,7 +498,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                         ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, bool causal, float scale) {
+                        ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
@@ -517,7 +517,7 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                            ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                            ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
-                           bool causal, float scale) {
+                           bool causal, double scale) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
@@ -549,7 +549,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32
                            .Ret<ffi::AnyBuffer>()   // counter [1] s32, scratch
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"),
+                           .Attr<double>("scale"),  // f64 as on the CPU; the kernels use a float
                        kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
@@ -568,7 +568,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq] f32, scratch
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"),
+                           .Attr<double>("scale"),  // f64 as on the CPU; the kernels use a float
                        kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
@@ -585,7 +585,7 @@ XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                            .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]: dq, dk, dv
                            .Ret<ffi::AnyBuffer>()   // delta [B, H, T] f32, scratch
                            .Attr<bool>("causal")
-                           .Attr<float>("scale"),
+                           .Attr<double>("scale"),  // f64 as on the CPU; the kernels use a float
                        kGraphSafe);
 
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
