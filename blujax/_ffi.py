@@ -1,8 +1,9 @@
 """Loads blujax's compiled kernel libraries once and registers their XLA FFI targets.
 
-`blujax._cpu` is always built; `blujax._cuda` when the build found a CUDA compiler. Each library
-exports {target name: handler capsule}; the same target names are registered for platform "cpu"
-and "CUDA", so one traced program lowers to our kernels on either.
+`blujax._cpu` is always built; `blujax._cuda` where the build found nvcc and a GPU, or was asked
+for it (BLUJAX_CUDA=ON). Each library exports {target name: handler capsule}; the same target
+names are registered for platform "cpu" and "CUDA", so one traced program lowers to our kernels
+on either.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv in the repository with pinned versions and builds blujax into it (editable).
 # Prefers Python 3.12 (jax 0.11.2); Python 3.11 gets jax 0.10.2. Override with PYTHON=...
-# The CUDA kernels (blujax._cuda) are compiled whenever nvcc is found; BLUJAX_CUDA=ON/OFF forces.
+# The CUDA kernels (blujax._cuda) are compiled where nvcc and a GPU are both found; BLUJAX_CUDA=ON
+# or OFF forces. The build's log is .venv/blujax-build.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,14 @@ pins=requirements/py$ver.txt
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -c "$pins" jax jaxlib numpy optax tiktoken tqdm matplotlib pytest \
   nanobind scikit-build-core cmake ninja
-# Built against the pinned jaxlib already in .venv (the FFI ABI only runs forward).
-"${pip[@]}" install --no-build-isolation --no-deps -e .
+# Built against the pinned jaxlib already in .venv (the FFI ABI only runs forward). Of the build's
+# output only its own "blujax: ..." lines show (whether blujax._cuda is built, and why).
+log=.venv/blujax-build.log
+echo "building blujax (log in $log)"
+if ! .venv/bin/python -m pip --disable-pip-version-check -v install --no-build-isolation \
+    --no-deps -e . 2>&1 | tee "$log" | awk 'sub(/^ *-- blujax: /, "blujax: ") {print; fflush()}'
+then
+  tail -40 "$log" >&2
+  exit 1
+fi
 .venv/bin/python -c "import blujax, jax; print('blujax ready: kernels', blujax.kernel_backends(), 'jax', jax.__version__)"

@@ -1,5 +1,8 @@
 """Loading and registration of the kernel libraries (blujax/_ffi.py)."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,12 +19,22 @@ def test_kernel_backends_lists_what_loaded():
         assert "cuda" in backends
 
 
+def _registered_in(pattern):
+    """Target names of the BLUJAX_REGISTER lines in xla_ext/<pattern>."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "xla_ext"
+    return {name for f in root.glob(pattern)
+            for name in re.findall(r"^BLUJAX_REGISTER\((\w+),", f.read_text(), re.M)}
+
+
 def test_every_cpu_target_has_a_cuda_twin():
     loaded, _ = _ffi._load()
     cpu = set(loaded["cpu"].registrations())
     assert {"blujax_layer_norm_fwd", "blujax_layer_norm_bwd"} <= cpu
     if "cuda" in loaded:
         assert set(loaded["cuda"].registrations()) == cpu
+    # In the sources too: a machine without a GPU builds no blujax._cuda (BLUJAX_CUDA=AUTO).
+    assert _registered_in("cpu/*.cc") == cpu
+    assert _registered_in("cuda/*.cu") == cpu
 
 
 def test_lowers_to_our_custom_call_for_cuda_without_a_gpu():
