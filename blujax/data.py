@@ -8,10 +8,12 @@ load unchanged.
     python -m blujax.data check data/*.bin
 
     loader = DataLoader("data/", "train", batch_size=64, seq_len=1024, seed=0)
+    loader.check_all()                    # every shard's tokens, before the first step
     inputs, targets = next(loader)        # int32 [64 // process_count, 1024]
     state = loader.state()                # JSON-able; loader.load_state(state) resumes after it
 
-Offline, tiktoken reads its GPT-2 files from the folder named by TIKTOKEN_CACHE_DIR.
+Offline, tiktoken reads its GPT-2 files from the folder named by TIKTOKEN_CACHE_DIR. Data a
+user can fix (a bad shard, text that is not UTF-8) raises a DataError with a one-line message.
 """
 
 from __future__ import annotations
@@ -45,12 +47,26 @@ TOKEN_DTYPE = np.dtype("<u2")
 GPT2_VOCAB_SIZE = 50257
 GPT2_EOT = 50256
 DEFAULT_SHARD_TOKENS = 100_000_000
+# Without --val-tokens the validation split is one shard, but at most this share of the corpus.
+DEFAULT_VAL_FRACTION = 0.1
+# Threads that check shards' tokens; more than a few only queue on the disk.
+_CHECK_THREADS = 4
 
 _SHARD_NAME = re.compile(r"^(?P<name>.+)_(?P<split>train|val)_(?P<index>\d{6})\.bin$")
 
 
-class ShardError(ValueError):
+class DataError(ValueError):
+    """A problem with data the user gave, which they can fix: the message (one line) names
+    the file and what is wrong with it. The command line prints it and exits with status 2."""
+
+
+class ShardError(DataError):
     """A token shard that is not a valid llm.c shard; the message names the file."""
+
+
+class TextError(DataError):
+    """A text or JSON-lines input that cannot be read as documents (not UTF-8, not JSON, no
+    text field); the message names the file and the place in it."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,9 +136,16 @@ class Shard:
     def __init__(self, path, vocab_size: int = GPT2_VOCAB_SIZE, check_tokens: bool = True):
         self.path = Path(path)
         self.num_tokens = read_header(self.path)
-        self._file = open(self.path, "rb")
+        try:
+            self._file = open(self.path, "rb")
+        except OSError as e:  # gone or unreadable since its header was read
+            raise ShardError(f"{self.path}: cannot read shard: {e.strerror or e}") from e
         if self.num_tokens:
-            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                self._file.close()
+                raise ShardError(f"{self.path}: cannot map shard: {e}") from e
             self.tokens = np.frombuffer(self._mmap, dtype=TOKEN_DTYPE, count=self.num_tokens,
                                         offset=HEADER_BYTES)
         else:
@@ -135,10 +158,14 @@ class Shard:
                 self.close()
                 raise
 
-    def check_tokens(self, vocab_size: int, block: int = 2 << 20):
-        """Raises ShardError naming the first token id >= vocab_size."""
+    def check_tokens(self, vocab_size: int, block: int = 2 << 20,
+                     stop: threading.Event | None = None):
+        """Raises ShardError naming the first token id >= vocab_size: its position in the
+        shard and its value. A set `stop` ends the check early with CancelledError."""
         bad = None
         for start in range(0, self.num_tokens, block):
+            if stop is not None and stop.is_set():
+                raise concurrent.futures.CancelledError(f"{self.path}: check stopped")
             part = self.tokens[start:start + block]
             if int(part.max()) >= vocab_size:
                 bad = start + int(np.argmax(part >= vocab_size))
@@ -277,11 +304,16 @@ class _Order:
         self._epoch = None
         self._perm_key = None
 
+    def shard_order(self, epoch: int) -> np.ndarray:
+        """The shards in the order an epoch reads them (without changing this object, so
+        any thread may ask)."""
+        n = len(self.chunks)
+        return (np.random.default_rng([self.seed, epoch, 0]).permutation(n) if self.shuffle
+                else np.arange(n))
+
     def _set_epoch(self, epoch: int):
         if self._epoch != epoch:
-            n = len(self.chunks)
-            self.shards = (np.random.default_rng([self.seed, epoch, 0]).permutation(n)
-                           if self.shuffle else np.arange(n))
+            self.shards = self.shard_order(epoch)
             self.ends = np.cumsum(self.chunks[self.shards])
             self._epoch = epoch
 
@@ -327,12 +359,85 @@ class _Slot:
         return cls(inputs, targets, Batch(inputs, targets))
 
 
+class _Checks:
+    """The token check of every shard (all its tokens below the vocabulary size), each run
+    once, by a few daemon threads; futures by shard index. Shards the prefetch thread is about
+    to read go ahead of the rest, which are checked in the order asked for. Reading is most
+    of the cost and numpy lets go of the GIL while it scans, so threads overlap the reads
+    (a FineWeb shard is 200 MB). Holds no reference to the DataLoader."""
+
+    def __init__(self, paths, vocab_size: int, max_threads: int):
+        self.paths, self.vocab_size, self.max_threads = paths, vocab_size, max_threads
+        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.urgent: collections.deque = collections.deque()
+        self.later: collections.deque = collections.deque()
+        self.lock = threading.Condition()
+        self.closed = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def request(self, shards, urgent: bool = False) -> list[concurrent.futures.Future]:
+        """The futures of these shards' checks: result None for a good shard, its
+        ShardError for a bad one. A shard asked for again keeps its first future."""
+        with self.lock:
+            futures = []
+            for s in map(int, shards):
+                future = self.futures.get(s)
+                if future is None:
+                    future = self.futures[s] = concurrent.futures.Future()
+                    if self.closed.is_set():  # nothing runs any more
+                        future.cancel()
+                    else:
+                        (self.urgent if urgent else self.later).append(s)
+                elif urgent and s in self.later:  # asked for before, not begun: now first
+                    self.later.remove(s)
+                    self.urgent.append(s)
+                futures.append(future)
+            waiting = len(self.urgent) + len(self.later)
+            while waiting and len(self.threads) < self.max_threads:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name="blujax-data-check")
+                thread.start()
+                self.threads.append(thread)
+                waiting -= 1
+            self.lock.notify_all()
+            return futures
+
+    def _work(self):
+        while True:
+            with self.lock:
+                while not (self.urgent or self.later or self.closed.is_set()):
+                    self.lock.wait()
+                if self.closed.is_set():
+                    return
+                s = (self.urgent or self.later).popleft()
+                future = self.futures[s]
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with Shard(self.paths[s], self.vocab_size, check_tokens=False) as shard:
+                    shard.check_tokens(self.vocab_size, stop=self.closed)
+            except BaseException as e:  # kept for whoever waits on the shard
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+    def close(self):
+        """Cancels the checks not begun; those under way stop within a block of tokens."""
+        with self.lock:
+            self.closed.set()
+            for s in (*self.urgent, *self.later):
+                self.futures[s].cancel()
+            self.urgent.clear()
+            self.later.clear()
+            self.lock.notify_all()
+
+
 class _Producer:
     """The prefetch thread's side. Holds no reference to the DataLoader, so that dropping the
     loader stops the thread.
 
     A shard's token ids are all checked before its first batch is handed out. Checking reads
-    the whole shard, so while one shard is read a second thread checks the next one.
+    the whole shard, so while one shard is read the check threads (_Checks) check the next one.
 
     Used buffers come back through a deque, which the thread polls (backing off to 1 ms) when
     all are full: handing one back then costs the consumer no wake-up of another thread, which
@@ -341,7 +446,7 @@ class _Producer:
     _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 
     def __init__(self, paths, counts, vocab_size, order, tokens_per_batch, lo, hi, seq_len,
-                 slots, drop_bytes, reuse_buffers):
+                 slots, drop_bytes, reuse_buffers, checks: _Checks):
         self.paths, self.counts, self.vocab_size = paths, counts, vocab_size
         self.order, self.tokens_per_batch = order, tokens_per_batch
         self.lo, self.hi, self.seq_len = lo, hi, seq_len
@@ -349,18 +454,11 @@ class _Producer:
         self.reuse_buffers = reuse_buffers
         # Room for every slot's two arrays twice over before a kept batch is forgotten.
         self.pool = _BufferPool((hi - lo, seq_len), limit=4 * len(slots))
-        self.checks: dict[int, concurrent.futures.Future] = {}  # by shard, once per shard
-        self.checker = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="blujax-data-check")
+        self.checks = checks
         self.thread = None
 
     def _check(self, s: int) -> concurrent.futures.Future:
-        if s not in self.checks:
-            self.checks[s] = self.checker.submit(self._check_shard, self.paths[s])
-        return self.checks[s]
-
-    def _check_shard(self, path):
-        Shard(path, self.vocab_size, check_tokens=True).close()
+        return self.checks.request([s], urgent=True)[0]
 
     def start(self, epoch: int, k: int):
         self.free: collections.deque = collections.deque(range(len(self.slots)))
@@ -377,8 +475,8 @@ class _Producer:
             self.thread = None
 
     def close(self):
+        self.checks.close()  # first: the thread may be waiting for a check
         self.stop()
-        self.checker.shutdown(wait=False, cancel_futures=True)
 
     def _free_slot(self) -> int | None:
         wait = self._POLL_MIN_S
@@ -403,7 +501,12 @@ class _Producer:
                 if s != shard_index:
                     if shard is not None:
                         shard.close()
-                    self._check(s).result()  # raises the shard's ShardError
+                    check = self._check(s)
+                    while not check.done():
+                        if self.stopping.is_set():
+                            return
+                        concurrent.futures.wait([check], timeout=0.05)
+                    check.result()  # raises the shard's ShardError
                     shard = Shard(self.paths[s], self.vocab_size, check_tokens=False)
                     shard_index, touched = s, 0
                     self._check(self.order.shard_after(epoch, k))
@@ -454,13 +557,21 @@ class DataLoader:
     loop that does nothing else): a batch is then valid only until the next call to next(),
     and the caller must copy it first, or wait for its transfer to the device to finish
     (block_until_ready), to keep it or anything made from it.
+
+    Every token of a shard is checked (below vocab_size) before a batch of it is handed out;
+    next() raises ShardError, naming the file, for a shard that fails. With check_ahead (the
+    default) background threads start checking all shards at once, in the order the first
+    epoch reads them, so that check_all(), which a run calls before its first step, mostly
+    waits for work already done, and a bad token in a shard that training would reach hours
+    later stops the run before it starts. Reading all of FineWeb-10B's 20 GB takes seconds to
+    a minute, while the step compiles.
     """
 
     def __init__(self, shards, split: str | None = None, *, batch_size: int, seq_len: int,
                  seed: int = 0, shuffle: bool = True, process_index: int | None = None,
                  process_count: int | None = None, prefetch: int = 4,
                  vocab_size: int = GPT2_VOCAB_SIZE, drop_bytes: int = 8 << 20,
-                 reuse_buffers: bool = False):
+                 reuse_buffers: bool = False, check_ahead: bool = True):
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, "
                              f"{seq_len}")
@@ -496,10 +607,15 @@ class DataLoader:
         slots = [_Slot.new(rows, seq_len) if self.reuse_buffers else None
                  for _ in range(prefetch + 1)]
         self._slots = slots
-        self._producer = _Producer(self.paths, self.counts, vocab_size,
-                                   _Order(chunks, self.seed, self.shuffle), tokens_per_batch,
-                                   process_index * rows, (process_index + 1) * rows, seq_len,
-                                   slots, drop_bytes, self.reuse_buffers)
+        self._closed = False
+        order = _Order(chunks, self.seed, self.shuffle)
+        checks = _Checks(self.paths, vocab_size, min(_CHECK_THREADS, os.cpu_count() or 1))
+        if check_ahead:
+            checks.request(order.shard_order(0))
+        self._producer = _Producer(self.paths, self.counts, vocab_size, order,
+                                   tokens_per_batch, process_index * rows,
+                                   (process_index + 1) * rows, seq_len, slots, drop_bytes,
+                                   self.reuse_buffers, checks)
         self._fingerprint = hashlib.sha256(json.dumps(
             [[p.name, c] for p, c in zip(self.paths, self.counts)]).encode()).hexdigest()[:16]
         self._held = None
@@ -511,6 +627,8 @@ class DataLoader:
         return self
 
     def __next__(self) -> Batch:
+        if self._closed:
+            raise ValueError("the data loader is closed")
         if self._error is not None:
             raise self._error
         producer = self._producer
@@ -526,6 +644,30 @@ class DataLoader:
         self._epoch, self._batch = (epoch, k + 1) if k + 1 < self.batches_per_epoch else (
             epoch + 1, 0)
         return self._slots[slot_index].batch
+
+    def check_all(self, progress=None) -> None:
+        """Checks the tokens of every shard of the loader (reading each whole, in a few
+        threads; shards checked already are not read again) and waits for it. Raises the
+        ShardError of the first bad shard in the order of self.paths (file, position and value
+        of its first bad token, vocabulary size) as soon as the shards before it have passed.
+        progress(done, total), if given, is called from this thread, once at the start and
+        as shards finish."""
+        if self._closed:
+            raise ValueError("the data loader is closed")
+        futures = self._producer.checks.request(range(len(self.paths)))
+        waiting = {f for f in futures if not f.done()}
+        while True:
+            if progress is not None:
+                progress(len(futures) - len(waiting), len(futures))
+            for future in futures:
+                if not future.done():
+                    break
+                if future.exception() is not None:
+                    raise future.exception()
+            else:
+                return
+            _, waiting = concurrent.futures.wait(
+                waiting, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def state(self) -> dict:
         """Where the loader stands: load_state() of it continues with the next batch."""
@@ -553,6 +695,7 @@ class DataLoader:
         self._producer.start(epoch, k)
 
     def close(self):
+        self._closed = True
         self._producer.close()
 
     def __enter__(self):
@@ -606,33 +749,54 @@ def _encode_document(item):
     return tokens, nbytes
 
 
+def _decode(raw: bytes, path: Path, offset: int = 0, line: int = 1) -> str:
+    """raw (which starts at byte `offset`, on line `line` of path) as UTF-8 text, or a
+    TextError naming the file and the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += raw.count(b"\n", 0, e.start)
+        raise TextError(f"{path} is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset "
+                        f"{offset + e.start} (line {line}) cannot be decoded (convert it, e.g. "
+                        f"iconv -f latin1 -t utf-8)") from None
+
+
 def _documents(inputs: Sequence[Path], separator: str | None, text_field: str):
     """(text, bytes) of every document, in order: a text file is one document, or one per
     piece between separators (which stay with the piece before them); a JSON-lines file
-    (.jsonl, .ndjson) has one per non-blank line, its `text_field` string."""
+    (.jsonl, .ndjson) has one per non-blank line, its `text_field` string. Input that is not
+    UTF-8, or not JSON lines with that field, raises TextError naming the file and place.
+    (With worker processes this runs in the pool's feeder thread, and its exception reaches
+    the caller through a worker: a DataError pickles with its message.)"""
     for path in inputs:
         if path.suffix.lower() in (".jsonl", ".ndjson"):
             with open(path, "rb") as f:
+                offset = 0
                 for lineno, line in enumerate(f, 1):
+                    start, offset = offset, offset + len(line)
                     if not line.strip():
                         continue
+                    decoded = _decode(line, path, start, lineno)
+                    decoded = decoded.removeprefix("\ufeff")  # a byte-order mark
                     try:
-                        record = json.loads(line)
+                        record = json.loads(decoded)
                     except ValueError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                        raise TextError(f"{path}:{lineno}: not valid JSON ({e})") from None
                     text = record.get(text_field) if isinstance(record, dict) else None
                     if not isinstance(text, str):
-                        raise ValueError(f"{path}:{lineno}: no string field {text_field!r}")
+                        raise TextError(f"{path}:{lineno}: no string field {text_field!r}")
                     yield text, len(line)
         else:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
+            text, size = _decode(raw, path), len(raw)
+            del raw
             if separator:
                 pieces = text.split(separator)
                 for i, piece in enumerate(pieces):
                     doc = piece + separator if i < len(pieces) - 1 else piece
                     yield doc, len(doc.encode("utf-8"))
             else:
-                yield text, path.stat().st_size
+                yield text, size
 
 
 @dataclasses.dataclass
@@ -641,6 +805,13 @@ class PrepareResult:
     written: list[Path]     # those this run wrote
     skipped: list[Path]     # those already complete from an earlier run
     tokens: dict[str, int]  # tokens per split
+
+
+def default_val_tokens(total_tokens: int, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> int:
+    """The validation split prepare() makes without val_tokens: one shard's worth, as llm.c's
+    fineweb.py keeps, but at most a tenth of the corpus, so that a small one trains on the
+    other nine tenths (tinyshakespeare: 33,802 of its 338,025 tokens; llm.c keeps 32,768)."""
+    return min(shard_tokens, int(total_tokens * DEFAULT_VAL_FRACTION))
 
 
 def _shard_sizes(shard_tokens: int, val_tokens: int):
@@ -671,12 +842,20 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
             progress: bool = True) -> PrepareResult:
     """Tokenizes documents into llm.c shards `{name}_{val|train}_{index:06d}.bin` in out_dir.
 
-    Every document is written as [end-of-text] + its tokens. The first val_tokens tokens
-    (default: one shard's worth, as llm.c's fineweb.py does) form the validation split, the
-    rest the training split. `workers` processes tokenize in parallel (default: all CPUs;
-    1 tokenizes in this process). A re-run with the same inputs and settings keeps every
-    complete shard (checked against the sha256 it recorded) and continues after the last one,
-    without tokenizing the documents before it again; partial shards are rewritten.
+    Every document is written as [end-of-text] + its tokens. The first val_tokens tokens form
+    the validation split, the rest the training split. Without val_tokens the validation
+    split is one shard's worth (as llm.c's fineweb.py), but at most a tenth of the corpus
+    (default_val_tokens), so that a small corpus still has tokens to train on. Tokenizing
+    streams, so the total is known only at the end: the shards are written as for a large
+    corpus, and those of a small one (fewer than ten shards) are cut again at the end.
+
+    `workers` processes tokenize in parallel (default: all CPUs; 1 tokenizes in this
+    process). A re-run with the same inputs and settings keeps every complete shard (checked
+    against the sha256 it recorded) and continues after the last one, without tokenizing the
+    documents before it again; partial shards are rewritten. Input that is not UTF-8, or not
+    JSON lines with a `text_field` string, raises TextError naming the file and the place;
+    the shards of this name are then removed, since the same inputs would fail the same way
+    again and shards left behind would pass for a whole data set.
     """
     inputs = [Path(p) for p in inputs]
     if not inputs:
@@ -686,9 +865,10 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
             raise FileNotFoundError(f"input {p} is not a file")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    val_tokens = shard_tokens if val_tokens is None else int(val_tokens)
-    if val_tokens < 0:
-        raise ValueError(f"val_tokens must be >= 0, got {val_tokens}")
+    if val_tokens is not None:
+        val_tokens = int(val_tokens)
+        if val_tokens < 0:
+            raise ValueError(f"val_tokens must be >= 0, got {val_tokens}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = name or inputs[0].name.split(".")[0]
@@ -706,13 +886,49 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
     progress_path = out_dir / f"{name}.prepare.json"
     for partial in out_dir.glob(f"{glob.escape(name)}_*.bin.tmp"):
         partial.unlink()  # a shard an interrupted run was writing
-    done = _completed_shards(progress_path, settings, out_dir)
-    if done and done[-1].get("last"):
-        files = [out_dir / r["file"] for r in done]
-        return PrepareResult(files, [], files, _count_splits(done))
-
-    next_doc, skip = (done[-1]["next_doc"], done[-1]["next_offset"]) if done else (0, 0)
+    done, layout = _completed_shards(progress_path, settings, out_dir)
+    if val_tokens is not None:
+        layout = val_tokens
+    elif not done:
+        layout = shard_tokens  # as if the corpus were large: see the end
     records = list(done)
+    written: list[Path] = []
+    if not (done and done[-1]["last"]):
+        # Shards of this name that this run does not continue: an earlier run's with other
+        # inputs or settings, which with these would pass for one data set.
+        _remove_shards(out_dir, name, keep=records)
+        _save_progress(progress_path, settings, layout, records)
+        try:
+            _tokenize(inputs, out_dir, name, records, written, shard_tokens, layout,
+                      lambda: _save_progress(progress_path, settings, layout, records),
+                      workers, doc_separator, text_field, encoding, progress)
+        except DataError:
+            _remove_shards(out_dir, name, keep=[])
+            progress_path.unlink(missing_ok=True)
+            raise
+    if val_tokens is None:
+        final = default_val_tokens(sum(r["tokens"] for r in records), shard_tokens)
+        if final != layout:
+            records = _recut(out_dir, name, records, shard_tokens, final, enc.eot_token)
+            written = [out_dir / r["file"] for r in records]
+            _save_progress(progress_path, settings, final, records)
+
+    files = [out_dir / r["file"] for r in records]
+    _remove_shards(out_dir, name, keep=records)  # beyond the last: an earlier, longer run's
+    tokens = _count_splits(records)
+    if val_tokens and not tokens.get("train"):
+        print(f"warning: all {tokens.get('val', 0)} tokens went to the validation split; "
+              f"lower val_tokens to leave some for training", file=sys.stderr)
+    return PrepareResult(files, written, [f for f in files if f not in written], tokens)
+
+
+def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
+              shard_tokens: int, val_tokens: int, save_progress, workers: int,
+              doc_separator, text_field: str, encoding: str, progress: bool):
+    """prepare()'s streaming part: tokenizes the documents after the shards in `records` (an
+    earlier run's) into shards of the layout of val_tokens, appending to records and written
+    and saving the progress after each shard."""
+    next_doc, skip = (records[-1]["next_doc"], records[-1]["next_offset"]) if records else (0, 0)
     sizes = _shard_sizes(shard_tokens, val_tokens)
     for _ in records:
         next(sizes)
@@ -721,7 +937,6 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
     from tqdm import tqdm
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress or None,
                desc=f"tokenizing into {out_dir}", file=sys.stderr)
-    written = []
     split, capacity = next(sizes)
     buf = np.empty(capacity if capacity else 1, np.uint16)
     fill = 0
@@ -734,7 +949,7 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
         records.append({"file": path.name, "split": split, "tokens": int(fill),
                         "sha256": _file_sha256(path), "next_doc": cursor[0],
                         "next_offset": cursor[1], "last": last})
-        _write_json(progress_path, {"settings": settings, "shards": records})
+        save_progress()
         written.append(path)
         bar.set_postfix_str(f"{path.name} written")
         split, capacity = next(sizes)
@@ -776,30 +991,65 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
             doc_index += 1
             bar.update(nbytes)
         if doc_index == 0:
-            raise ValueError(f"no documents in {', '.join(map(str, inputs))}")
+            raise TextError(f"no documents in {', '.join(map(str, inputs))}")
         if fill or not records:
             flush((doc_index, 0), last=True)
         else:
             records[-1]["last"] = True
-            _write_json(progress_path, {"settings": settings, "shards": records})
+            save_progress()
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
+        # An exception's traceback keeps this frame: without these references the pool's
+        # locks go now, not in a garbage collection that may run inside multiprocessing's
+        # resource tracker (which then warns of a leak).
+        pool = encoded = None
         bar.close()
 
-    files = [out_dir / r["file"] for r in records]
-    # Shards of this name beyond the last one belong to an earlier, different run.
-    keep = {f.name for f in files}
-    for stale in out_dir.glob(f"{glob.escape(name)}_*.bin"):
-        m = _SHARD_NAME.match(stale.name)
-        if m and m["name"] == name and stale.name not in keep:
-            stale.unlink()
-    tokens = _count_splits(records)
-    if val_tokens and not tokens.get("train"):
-        print(f"warning: all {tokens.get('val', 0)} tokens went to the validation split; "
-              f"lower val_tokens to leave some for training", file=sys.stderr)
-    return PrepareResult(files, written, [out_dir / r["file"] for r in done], tokens)
+
+def _recut(out_dir: Path, name: str, records: list, shard_tokens: int, val_tokens: int,
+           eot: int) -> list[dict]:
+    """The complete data set of `records` written again as shards of the layout of
+    val_tokens; returns their records. The old files are read through mappings, which keep
+    them readable while new ones of the same names replace them. Every document begins with
+    end-of-text (which encode_ordinary never makes), so where each shard ends in the
+    documents, for a re-run to resume from, is found by counting those tokens."""
+    old = [Shard(out_dir / r["file"], check_tokens=False) for r in records]
+    try:
+        bounds = np.cumsum([0] + [s.num_tokens for s in old]).tolist()
+        total = bounds[-1]
+
+        def tokens(a: int, b: int) -> np.ndarray:  # [a, b) of the whole data set
+            out = np.empty(b - a, TOKEN_DTYPE)
+            for shard, lo, hi in zip(old, bounds, bounds[1:]):
+                if lo < b and a < hi:
+                    out[max(a, lo) - a:min(b, hi) - a] = \
+                        shard.tokens[max(a, lo) - lo:min(b, hi) - lo]
+            return out
+
+        new, sizes = [], _shard_sizes(shard_tokens, val_tokens)
+        pos = docs = doc_start = 0  # docs: documents begun before pos; the last at doc_start
+        while pos < total:
+            split, capacity = next(sizes)
+            part = tokens(pos, min(total, pos + capacity))
+            starts = np.flatnonzero(part == eot)
+            docs += len(starts)
+            if len(starts):
+                doc_start = pos + int(starts[-1])
+            pos += len(part)
+            if pos == total or tokens(pos, pos + 1)[0] == eot:
+                cursor = (docs, 0)
+            else:
+                cursor = (docs - 1, pos - doc_start)
+            path = write_shard(out_dir / f"{name}_{split}_{len(new):06d}.bin", part)
+            new.append({"file": path.name, "split": split, "tokens": len(part),
+                        "sha256": _file_sha256(path), "next_doc": cursor[0],
+                        "next_offset": cursor[1], "last": pos == total})
+        return new
+    finally:
+        for shard in old:
+            shard.close()
 
 
 def _count_splits(records) -> dict[str, int]:
@@ -809,15 +1059,19 @@ def _count_splits(records) -> dict[str, int]:
     return tokens
 
 
-def _completed_shards(progress_path: Path, settings: dict, out_dir: Path) -> list[dict]:
+def _completed_shards(progress_path: Path, settings: dict,
+                      out_dir: Path) -> tuple[list[dict], int | None]:
     """The records of an earlier run's shards that are complete and intact, in order, up to
-    the first that is not; none when that run had other inputs or settings."""
+    the first that is not, and the validation size their layout has; none when that run had
+    other inputs or settings."""
     try:
         saved = json.loads(progress_path.read_text())
     except (OSError, ValueError):
-        return []
-    if saved.get("settings") != settings:
-        return []
+        return [], None
+    layout = saved.get("val_tokens")
+    if saved.get("settings") != settings or (settings["val_tokens"] is None
+                                             and not isinstance(layout, int)):
+        return [], None
     good = []
     for record in saved.get("shards", []):
         path = out_dir / record["file"]
@@ -827,7 +1081,21 @@ def _completed_shards(progress_path: Path, settings: dict, out_dir: Path) -> lis
         except ShardError:
             break
         good.append(record)
-    return good
+    return good, layout
+
+
+def _save_progress(path: Path, settings: dict, val_tokens: int, records: list):
+    # val_tokens: the layout of the shards, which the settings leave open by default.
+    _write_json(path, {"settings": settings, "val_tokens": val_tokens, "shards": records})
+
+
+def _remove_shards(out_dir: Path, name: str, keep):
+    """Deletes the shards `{name}_{split}_{index}.bin` in out_dir but those of the records."""
+    keep = {r["file"] for r in keep}
+    for path in out_dir.glob(f"{glob.escape(name)}_*.bin"):
+        m = _SHARD_NAME.match(path.name)
+        if m and m["name"] == name and path.name not in keep:
+            path.unlink()
 
 
 def _write_json(path: Path, obj):
@@ -856,7 +1124,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blujax.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize text / JSON-lines files into shards")
+    p = commands.add_parser(
+        "prepare", help="tokenize text / JSON-lines files into shards",
+        description="Tokenizes text files (UTF-8; each one document) and JSON-lines files (one "
+                    "document per line) with GPT-2's tokenizer into llm.c shards "
+                    "NAME_val_000000.bin, NAME_train_000001.bin, ... The validation split is "
+                    "the first tokens: --val-tokens of them, by default one shard's worth but "
+                    "at most a tenth of the corpus (a small corpus keeps nine tenths for "
+                    "training). A re-run keeps the complete shards and goes on after them.")
     p.add_argument("inputs", nargs="+", type=Path,
                    help="text files (one document each) and .jsonl files (one per line)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
@@ -864,7 +1139,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard-tokens", type=_count, default=DEFAULT_SHARD_TOKENS,
                    help="tokens per shard (default 100M)")
     p.add_argument("--val-tokens", type=_count, default=None,
-                   help="tokens of the validation split, taken first (default: one shard)")
+                   help="tokens of the validation split, taken first (default: one shard, "
+                        "but at most a tenth of the corpus)")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizing processes (default: all CPUs)")
     p.add_argument("--paragraph-docs", action="store_true",
@@ -878,7 +1154,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run_command(args)
-    except (ValueError, OSError, RuntimeError) as e:  # bad input, said plainly
+    except (DataError, ValueError, OSError, RuntimeError) as e:  # bad input, said plainly
         print(f"error: {e}", file=sys.stderr)
         return 2
 

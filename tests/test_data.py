@@ -7,13 +7,14 @@ llm.c's shards of it in tinyshakespeare_llmc/, else the tests against them skip.
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from blujax import data
-from blujax.data import Batch, DataLoader, Shard, ShardError
+from blujax.data import Batch, DataError, DataLoader, Shard, ShardError, TextError
 
 
 def shared_data(relative: str) -> Path:
@@ -421,3 +422,219 @@ def test_loader_reads_llmc_shard():
             np.testing.assert_array_equal(x.reshape(-1), tokens[b * 256:(b + 1) * 256])
             np.testing.assert_array_equal(y.reshape(-1), tokens[b * 256 + 1:(b + 1) * 256 + 1])
     assert isinstance(x, np.ndarray) and Batch._fields == ("inputs", "targets")
+
+
+def test_loader_check_all(shards):
+    """check_all() reads every shard once (with what the prefetch thread checks), names the
+    first bad one in path order, and passes a good set; next() meets the same ShardError."""
+    path, tokens = shards
+    for kw in (dict(), dict(check_ahead=False)):
+        calls = []
+        with loader(path, **kw) as it:
+            it.check_all(progress=lambda done, total: calls.append((done, total)))
+            next(it)
+        assert calls[-1] == (3, 3) and all(t == 3 for _, t in calls)
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+    third = path / "syn_train_000003.bin"
+    bad = tokens[3].copy()
+    bad[1000] = data.GPT2_VOCAB_SIZE
+    data.write_shard(third, bad)
+    message = (rf"{third}: token 1000 is 50257, not below the vocabulary size 50257")
+    for kw in (dict(), dict(check_ahead=False)):
+        with loader(path, **kw) as it:
+            with pytest.raises(ShardError, match=message):
+                it.check_all()
+            with pytest.raises(ShardError, match=message):  # and again: the check is kept
+                it.check_all()
+    # Two bad shards: the first in path order is named, whichever check ends first.
+    first = path / "syn_train_000001.bin"
+    data.write_shard(first, np.r_[tokens[1][:10], 60_000, tokens[1][11:]])
+    with loader(path) as it:
+        with pytest.raises(ShardError, match=rf"{first}: token 10 is 60000"):
+            it.check_all()
+    assert issubclass(ShardError, DataError) and issubclass(DataError, ValueError)
+
+
+def test_loader_checks_each_shard_once(shards, monkeypatch):
+    path, _ = shards
+    checked = []
+    check = Shard.check_tokens
+    monkeypatch.setattr(Shard, "check_tokens",
+                        lambda self, *a, **k: checked.append(self.path.name) or
+                        check(self, *a, **k))
+    with loader(path, shuffle=False) as it:
+        for _ in range(it.batches_per_epoch * 2):  # every shard read, twice
+            next(it)
+        it.check_all()
+    assert sorted(checked) == [f"syn_train_{i:06d}.bin" for i in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("check_ahead", [True, False])
+def test_next_raises_shard_error_at_a_bad_later_shard(shards, check_ahead):
+    path, tokens = shards
+    third = path / "syn_train_000003.bin"
+    bad = tokens[3].copy()
+    bad[1000] = data.GPT2_VOCAB_SIZE
+    data.write_shard(third, bad)
+    it = loader(path, shuffle=False, check_ahead=check_ahead)
+    good = sum((len(tokens[s]) - 1) // 64 for s in (1, 2))
+    for _ in range(good):  # the batches of the good shards come first
+        next(it)
+    with pytest.raises(ShardError, match=rf"{third}: token 1000 is 50257"):
+        next(it)
+    it.close()  # closes after the error, and the threads end
+    assert not it._producer.thread
+    with pytest.raises(ValueError, match="closed"):
+        next(it)
+    for thread in it._producer.checks.threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+# ---- text that is not UTF-8, and what is left after it
+
+
+LATIN1 = "Caf\u00e9 au lait, cr\u00e8me br\u00fbl\u00e9e.\n".encode("latin-1")
+
+
+def test_text_error_pickles():
+    e = pickle.loads(pickle.dumps(TextError("notes.txt is not UTF-8 text: byte 0xe9")))
+    assert type(e) is TextError and str(e) == "notes.txt is not UTF-8 text: byte 0xe9"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prepare_names_the_first_byte_that_is_not_utf8(tmp_path, rng, enc, workers):
+    good = "Stra\u00dfe \u6771\u4eac\n" * 40  # multi-byte UTF-8 before the bad byte
+    offset = len(good.encode())
+    cases = {
+        "latin1.txt": (LATIN1 * 30, 3, 0xE9, 1),
+        "mixed.txt": (good.encode() + LATIN1, offset + 3, 0xE9, 41),
+        "random.txt": (good.encode() + b"\xff" + rng.bytes(5000), offset, 0xFF, 41),
+    }
+    lines = [json.dumps({"text": f"line {i}"}).encode() + b"\n" for i in range(5)]
+    cases["corpus.jsonl"] = (b"".join(lines[:2]) + b'{"text": "' + LATIN1.strip() + b'"}\n'
+                             + b"".join(lines[2:]), len(lines[0]) + len(lines[1]) + 13, 0xE9, 3)
+    for name, (raw, at, byte, line) in cases.items():
+        bad = tmp_path / name
+        bad.write_bytes(raw)
+        with pytest.raises(TextError) as e:
+            data.prepare([bad], tmp_path / "out", workers=workers, progress=False)
+        assert str(e.value) == (f"{bad} is not UTF-8 text: byte 0x{byte:02x} at offset {at} "
+                                f"(line {line}) cannot be decoded (convert it, e.g. iconv -f "
+                                f"latin1 -t utf-8)")
+        assert "\n" not in str(e.value)
+
+
+def test_a_failed_prepare_leaves_no_shards(tmp_path, rng, enc):
+    """Shards written before the bad file are removed with their progress record: the same
+    inputs would fail the same way, and the shards would pass for a whole data set. Once the
+    file is mended, prepare makes all of it."""
+    docs = make_documents(rng, 40)
+    inputs = write_inputs(tmp_path, docs)
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes(LATIN1)
+    out = tmp_path / "out"
+    kwargs = dict(workers=2, shard_tokens=200, val_tokens=200, progress=False)
+    with pytest.raises(TextError, match="notes.txt is not UTF-8 text"):
+        data.prepare([*inputs, bad], out, **kwargs)
+    assert list(out.iterdir()) == []
+    bad.write_text(LATIN1.decode("latin-1"), encoding="utf-8")
+    result = data.prepare([*inputs, bad], out, **kwargs)
+    expected = expected_tokens(enc, [*docs, LATIN1.decode("latin-1")])
+    np.testing.assert_array_equal(np.concatenate([read_tokens(p) for p in result.files]),
+                                  expected)
+
+
+def test_cli_prepare_of_text_that_is_not_utf8(tmp_path, enc, capsys):
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes(LATIN1 * 3)
+    assert data.main(["prepare", str(bad), "--out", str(tmp_path / "d")]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert lines == [f"error: {bad} is not UTF-8 text: byte 0xe9 at offset 3 (line 1) cannot be "
+                     f"decoded (convert it, e.g. iconv -f latin1 -t utf-8)"], captured.err
+    assert not list((tmp_path / "d").iterdir())
+
+
+def test_resolve_data_of_text_that_is_not_utf8(tmp_path, enc):
+    from blujax.cli import corpus
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes(b"plain ascii first\n" * 10 + LATIN1)
+    with pytest.raises(TextError, match=rf"{bad} is not UTF-8 text: byte 0xe9 at offset 183 "):
+        corpus.resolve_data(str(bad), progress=False)
+    assert not (tmp_path / "notes.txt.tokens").exists()  # no cache a later run would reuse
+
+
+def test_resolve_data_refuses_an_unfinished_prepare(tmp_path, rng, enc):
+    from blujax.cli import corpus
+    from blujax.cli.settings import UsageError
+    out = tmp_path / "d"
+    data.prepare(write_inputs(tmp_path, make_documents(rng, 30)), out, workers=1,
+                 shard_tokens=300, val_tokens=300, progress=False)
+    assert corpus.resolve_data(str(out), progress=False).train
+    record = out / "corpus.prepare.json"
+    saved = json.loads(record.read_text())
+    saved["shards"] = saved["shards"][:3]
+    saved["shards"][-1]["last"] = False  # as a run stopped after its third shard leaves it
+    record.write_text(json.dumps(saved))
+    with pytest.raises(UsageError, match="the shards of corpus are incomplete"):
+        corpus.resolve_data(str(out), progress=False)
+
+
+# ---- the validation split of a small corpus
+
+
+def test_small_corpus_with_default_flags_trains(tmp_path, enc, capsys):
+    """With the defaults (shards of 100M, validation one shard) a small corpus gets a tenth
+    of its tokens as the validation split and the rest as training."""
+    text = shared_data("tinyshakespeare.txt")
+    out = tmp_path / "d"
+    assert data.main(["prepare", str(text), "--out", str(out), "--workers", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    whole = np.concatenate([[enc.eot_token], enc.encode_ordinary(text.read_text())])
+    val, train = out / "tinyshakespeare_val_000000.bin", out / "tinyshakespeare_train_000001.bin"
+    assert sorted(out.glob("*.bin")) == [train, val]
+    assert data.read_header(val) == len(whole) // 10 == data.default_val_tokens(len(whole))
+    np.testing.assert_array_equal(np.concatenate([read_tokens(val), read_tokens(train)]), whole)
+    again = data.prepare([text], out, workers=1, progress=False)  # complete: kept
+    assert again.written == [] and again.skipped == [val, train]
+
+
+def test_default_validation_split(tmp_path, rng, enc, monkeypatch):
+    docs = make_documents(rng, 80)
+    inputs = write_inputs(tmp_path, docs)
+    expected = expected_tokens(enc, docs)
+    total = len(expected)
+    assert 10_000 < total < 20_000
+    # Large for its shards (over ten of them): the validation split is one shard.
+    large = data.prepare(inputs, tmp_path / "large", workers=2, shard_tokens=900,
+                         progress=False)
+    assert large.tokens == {"val": 900, "train": total - 900}
+    # Fewer than ten shards: a tenth of the tokens, the rest in shards of shard_tokens.
+    out = tmp_path / "small"
+    small = data.prepare(inputs, out, workers=2, shard_tokens=2000, progress=False)
+    assert small.tokens == {"val": total // 10, "train": total - total // 10}
+    sizes = [data.read_header(p) for p in small.files]
+    assert sizes[0] == total // 10 and all(s == 2000 for s in sizes[1:-1])
+    assert [p.name for p in small.files[:2]] == ["corpus_val_000000.bin",
+                                                 "corpus_train_000001.bin"]
+    contents = [p.read_bytes() for p in small.files]
+    np.testing.assert_array_equal(np.concatenate([read_tokens(p) for p in small.files]),
+                                  expected)
+    # The shards cut again at the end resume like any: a lost one is made again from the
+    # documents after the one before it.
+    k = len(small.files) // 2
+    small.files[k].unlink()
+    encoded = []
+    encode = data._encode_document
+    monkeypatch.setattr(data, "_encode_document", lambda item: encoded.append(1) or encode(item))
+    again = data.prepare(inputs, out, workers=1, shard_tokens=2000, progress=False)
+    assert again.skipped == small.files[:k] and again.written == small.files[k:]
+    assert [p.read_bytes() for p in again.files] == contents
+    assert 0 < len(encoded) < len(docs)
+    # A tiny corpus: too short for a tenth to be a token, it all trains.
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("Hi.")
+    result = data.prepare([tiny], tmp_path / "tiny", workers=1, progress=False)
+    assert result.tokens == {"train": 3} and result.files[0].name == "tiny_train_000000.bin"

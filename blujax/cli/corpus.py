@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import re
 import sys
@@ -69,6 +70,7 @@ def resolve_data(spec: str | None, *, progress: bool) -> DataSource:
         paths = sorted(path.glob("*.bin"))
         if not paths:
             raise UsageError(f"--data {spec}: the directory holds no .bin token shards")
+        _check_prepared(path, paths, spec)
         return _split_shards(paths, spec)
     if not path.exists():
         raise UsageError(f"--data {spec}: no such file or directory")
@@ -93,6 +95,26 @@ def _split_shards(paths: list[Path], spec: str) -> DataSource:
     return _checked(DataSource(f"token shards {spec}", train, val))
 
 
+def _check_prepared(folder: Path, paths: list[Path], spec: str):
+    """`python -m blujax.data prepare` records its progress in NAME.prepare.json beside the
+    shards: one that stopped before the end (interrupted; it resumes when run again) left
+    shards that look like a whole data set but are not."""
+    for record in folder.glob("*.prepare.json"):
+        name = record.name[:-len(".prepare.json")]
+        shard_name = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
+        if not any(shard_name.fullmatch(p.name) for p in paths):
+            continue
+        try:
+            shards = json.loads(record.read_text()).get("shards") or [{}]
+            finished = bool(shards[-1].get("last"))
+        except (OSError, ValueError, AttributeError):
+            continue  # not ours to judge
+        if not finished:
+            raise UsageError(f"--data {spec}: the shards of {name} are incomplete: python -m "
+                             f"blujax.data prepare stopped before the end ({record.name}); "
+                             f"run it again to finish them")
+
+
 def _has_word(path: Path, word: str) -> bool:
     return re.search(rf"(^|[_.\-]){word}([_.\-]|$)", path.stem) is not None
 
@@ -115,7 +137,9 @@ def tokenize_text(path: Path, *, paragraph_docs: bool, val_tokens: int | None, p
     there and reuses them.
 
     Without val_tokens the first tenth or so of the tokens (estimated from the file size, at
-    most 32768 as llm.c keeps of tinyshakespeare) is the validation split."""
+    most 32768 as llm.c keeps of tinyshakespeare) is the validation split. Text that is not
+    UTF-8 raises data.TextError naming the file and the first bad byte's offset; no shards
+    are left behind then."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--data {path}: not a file")
@@ -132,12 +156,22 @@ def tokenize_text(path: Path, *, paragraph_docs: bool, val_tokens: int | None, p
                               progress=progress)
     except RuntimeError as e:  # the tokenizer could not load; the message says what to do
         raise UsageError(str(e)) from None
+    except data.DataError:
+        _remove_if_empty(cache)  # prepare removed its shards: leave no empty folder either
+        raise
     train = [f for f in result.files if _has_word(f, "train")]
     val = [f for f in result.files if _has_word(f, "val")]
     if not train:
         raise UsageError(f"--data {path}: only {result.tokens.get('val', 0)} tokens, all of "
                          f"them needed for the validation split; give more text")
     return DataSource(description, train, val)
+
+
+def _remove_if_empty(folder: Path):
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _is_blank(path: Path) -> bool:
