@@ -32,6 +32,20 @@ them (to evaluate or sample from a run in progress), open the directory read-onl
 
     latest = Checkpointer("runs/gpt2/ckpt", read_only=True).restore(like=...)
 
+A save that cannot be made (the folder unwritable, the disk full) raises CheckpointError naming
+the checkpoint and the OS's reason: from save() in synchronous mode, else from the next save(),
+wait(), close() or raise_if_failed() (which a training loop calls each step, so that it stops
+at once rather than at the next save). check_writable() proves before training that a
+checkpoint can be written at all.
+
+A checkpoint that fails verification raises CorruptCheckpointError. restore_latest() falls
+back past those to the newest that verifies, telling the caller of each one skipped (and of
+each step directory whose manifest is gone); restore(..., partial=True) restores a subtree
+(the parameters, say) reading and verifying only its arrays:
+
+    r = ckpt.restore_latest(like={"params": params}, partial=True,
+                            on_skip=lambda path, reason: print(f"skipped {path}: {reason}"))
+
 In a run of several JAX processes, process 0 saves (the others open the directory read-only,
 or not at all), and every array must be whole on it: its shards there cover the array, as
 they do for one replicated over the mesh (sharding.unshard_state makes them so). Every
@@ -59,11 +73,41 @@ import numpy as np
 FORMAT = "blujax-checkpoint"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TIDY = (".tmp-step_", ".old-step_", ".trash-step_", ".probe-")  # left by an interrupted save
+NO_MANIFEST = "no manifest.json (deleted or never finished)"  # restore_latest's skip reason
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be restored as asked (corrupt, truncated, or not matching), or
     a save that cannot be made."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint that fails verification or cannot be read: a file of it damaged, truncated,
+    missing or unreadable. (A tree that does not match it is a plain CheckpointError.)
+    `reason` is the message without its leading "checkpoint <path>: "."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"checkpoint {path}: {reason}")
+        self.path, self.reason = Path(path), reason
+
+
+def _os_reason(e: OSError) -> str:
+    """An OSError in one line, without the file name (the messages name the checkpoint)."""
+    if e.strerror:
+        return f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else e.strerror
+    return str(e) or type(e).__name__
+
+
+def _remove(path: Path):
+    """Deletes a file or a directory tree, whichever it is, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 @dataclasses.dataclass
@@ -168,27 +212,48 @@ class Checkpointer:
         self.read_only = read_only
         self.keep = keep
         self.async_save = async_save and not read_only
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="blujax-checkpoint") if self.async_save else None
         self._pending: tuple[concurrent.futures.Future, SaveInfo] | None = None
         self.last_save: SaveInfo | None = None
         if not read_only:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._recover()
+            try:
+                self._make_directory()
+                self._recover()
+            except OSError as e:
+                raise CheckpointError(f"cannot open checkpoint folder {self.directory} for "
+                                      f"writing: {self._dir_reason(e)}") from e
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="blujax-checkpoint") if self.async_save else None
+
+    def _make_directory(self):
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _dir_reason(self, e: OSError) -> str:
+        if self.directory.exists() and not self.directory.is_dir():
+            return "it is a file, not a folder"
+        return _os_reason(e)
 
     # ---- listing
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints here, ascending (none if the directory does not
-        exist, which only a read-only Checkpointer allows)."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for p in self.directory.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and (p / "manifest.json").is_file():
-                found.append(int(m.group(1)))
-        return sorted(found)
+        exist, which only a read-only Checkpointer allows). Not verified: see restore_latest."""
+        return sorted(s for s, p in self._step_dirs().items() if _has_manifest(p))
+
+    def incomplete_steps(self) -> list[int]:
+        """Steps of the step directories here without a manifest.json, ascending: damage (a
+        manifest deleted), not a save in flight, which writes under another name."""
+        return sorted(s for s, p in self._step_dirs().items() if not _has_manifest(p))
+
+    def _step_dirs(self) -> dict[int, Path]:
+        try:
+            names = os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as e:
+            raise CheckpointError(f"cannot list the checkpoints in {self.directory}: "
+                                  f"{_os_reason(e)}") from e
+        return {int(m.group(1)): self.directory / name for name in names
+                if (m := _STEP_DIR.match(name))}
 
     def latest_step(self) -> int | None:
         self.wait()
@@ -205,9 +270,10 @@ class Checkpointer:
 
         Returns once the arrays are copied to host memory (asynchronous mode) or written
         (synchronous mode); SaveInfo.stall_s says how long that was. An error of a background
-        write is raised by the next save(), wait() or close(). With several JAX processes,
-        process 0 alone saves, and only arrays whose shards on it cover them (replicated over
-        the mesh, say); anything else raises CheckpointError.
+        write is raised by the next save(), wait(), close() or raise_if_failed(); one the
+        file system gives is a CheckpointError naming the checkpoint. With several JAX
+        processes, process 0 alone saves, and only arrays whose shards on it cover them
+        (replicated over the mesh, say); anything else raises CheckpointError.
         """
         start = time.perf_counter()
         if self.read_only:
@@ -239,6 +305,52 @@ class Checkpointer:
     def in_flight(self) -> bool:
         """Whether a background write is still running."""
         return self._pending is not None and not self._pending[0].done()
+
+    def raise_if_failed(self):
+        """Raises the error of the background write if it has ended with one (a
+        CheckpointError for anything the file system refused); returns at once otherwise,
+        the write still running or done. A training loop calls it each step, so that a save
+        that failed stops the run then, not at the next save."""
+        if self._pending is None:
+            return
+        future, _ = self._pending
+        if future.done() and future.exception() is not None:
+            self._pending = None
+            future.result()
+
+    def check_writable(self, nbytes: int | None = None):
+        """Proves that a checkpoint can be written into the directory now, as a save writes
+        one (a folder made, a file written and fsynced, the folder renamed, all removed
+        again), and, given nbytes (the size of one), that the disk has that much free.
+        Raises CheckpointError naming the directory and the reason. A training loop calls it
+        before its first step, so that an unwritable folder does not cost the steps up to
+        the first save."""
+        if self.read_only:
+            raise CheckpointError(f"cannot write checkpoints to {self.directory}: this "
+                                  f"Checkpointer was opened with read_only=True")
+        probe = self.directory / f".probe-{uuid.uuid4().hex[:8]}"
+        renamed = probe.with_name(probe.name + "-renamed")
+        try:
+            self._make_directory()
+            probe.mkdir()
+            with open(probe / "probe.bin", "wb") as f:
+                f.write(bytes(4096))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(probe)
+            os.rename(probe, renamed)
+            _fsync_dir(self.directory)
+            free = shutil.disk_usage(self.directory).free
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoints to {self.directory}: "
+                                  f"{self._dir_reason(e)}") from e
+        finally:
+            _remove(probe)
+            _remove(renamed)
+        if nbytes is not None and free < nbytes:
+            raise CheckpointError(f"cannot write checkpoints to {self.directory}: one takes "
+                                  f"{nbytes / 2**20:,.1f} MiB and the disk has "
+                                  f"{free / 2**20:,.1f} MiB free")
 
     def wait(self) -> SaveInfo | None:
         """Waits for the save in flight, if any; raises its error; returns its SaveInfo."""
@@ -330,8 +442,12 @@ class Checkpointer:
             _fsync_dir(tmp / "arrays")
             _fsync_dir(tmp)
             self._commit(tmp, info.path)
+        except OSError as e:
+            _remove(tmp)
+            raise CheckpointError(f"cannot write checkpoint of step {info.step} to "
+                                  f"{info.path}: {_os_reason(e)}") from e
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             raise
         self._prune(info.step)
         info.write_s = time.perf_counter() - start
@@ -343,36 +459,59 @@ class Checkpointer:
         """Renames the finished temporary directory into place; an existing checkpoint of the
         same step is moved aside first and deleted only after."""
         old = None
-        if final.exists():
+        if final.exists() or final.is_symlink():  # a damaged copy of the step, say
             old = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if old is not None:  # put back what was there
+                try:
+                    os.rename(old, final)
+                except OSError:
+                    pass  # opening the directory for writing next time does it
+            raise
         _fsync_dir(self.directory)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
     def _prune(self, just_saved: int):
+        """Deletes all but the last `keep` checkpoints (by step; they are not verified), and
+        the step directories without a manifest (damage) older than every one kept. Newer
+        damaged ones stay: a save of that step replaces them. A directory that vanishes
+        meanwhile (another process pruning the same folder) is passed over."""
         if self.keep is None:
             return
-        steps = [s for s in self.steps() if s != just_saved]
-        for step in steps[:max(0, len(steps) - (self.keep - 1))]:
-            path = self.step_path(step)
+        dirs = self._step_dirs()
+        complete = sorted(s for s, p in dirs.items() if s != just_saved and _has_manifest(p))
+        doomed = complete[:max(0, len(complete) - (self.keep - 1))]
+        oldest_kept = min([just_saved] + complete[len(doomed):])
+        doomed += [s for s, p in dirs.items() if s < oldest_kept and not _has_manifest(p)]
+        for step in doomed:
+            path = dirs[step]
             # Renamed first: a crash while deleting must not leave a half-deleted checkpoint
             # under a name that looks complete.
             trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-            os.rename(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint of step {just_saved} is written to {self.step_path(just_saved)}"
+                    f", but the older {path} cannot be deleted: {_os_reason(e)}") from e
+            _remove(trash)
 
     def _recover(self):
-        """Tidies what an interrupted save or prune left behind."""
+        """Tidies what an interrupted save, prune or check_writable left behind."""
         for p in self.directory.iterdir():
             if p.name.startswith(".old-step_"):
                 final = self.directory / p.name[len(".old-"):].rsplit("-", 1)[0]
-                if not final.exists():  # interrupted between the two renames of _commit
-                    os.rename(p, final)
+                if not (final.exists() or final.is_symlink()):
+                    os.rename(p, final)  # interrupted between the two renames of _commit
                     continue
-            if p.name.startswith((".tmp-step_", ".old-step_", ".trash-step_")):
-                shutil.rmtree(p, ignore_errors=True)
+            if p.name.startswith(_TIDY):
+                _remove(p)
 
     # ---- restoring
 
@@ -382,15 +521,56 @@ class Checkpointer:
         manifest = _read_manifest(path)
         return {k: manifest[k] for k in ("step", "loader", "config", "time")}
 
-    def restore(self, like=None, step: int | None = None) -> Restored:
+    def restore(self, like=None, step: int | None = None, *, partial: bool = False) -> Restored:
         """Restores checkpoint `step` (default: the latest) into the structure of `like`.
 
         Each leaf of `like` (array or jax.ShapeDtypeStruct) sets the shape and dtype expected
         and where the result goes: its sharding (any mesh, any number of devices); numpy
         arrays come back as numpy arrays. With like=None the result is a flat dict from key
-        path to numpy array. Every chunk read is checked against its sha256 first.
+        path to numpy array. Every chunk read is checked against its sha256 first; a
+        checkpoint that fails raises CorruptCheckpointError, one that does not match `like`
+        CheckpointError.
+
+        `like` must match the saved tree leaf for leaf, unless partial=True: then it may be
+        a part of it (like={"params": ...} of a tree saved with its optimizer state), and
+        only the chunks of its arrays are read and verified (and the manifest).
         """
-        path = self._path_for(step)
+        return self._restore(self._path_for(step), like, partial)
+
+    def restore_latest(self, like=None, *, partial: bool = False, on_skip=None) -> Restored:
+        """Restores the newest checkpoint that verifies, as restore() would.
+
+        Tries the step directories newest first. One that fails verification or cannot be
+        read (CorruptCheckpointError), or has no manifest.json, is skipped, and reported
+        as on_skip(path, reason) before the next is tried: reason is the error without the
+        path, or NO_MANIFEST. A tree that does not match is no reason to fall back: that
+        CheckpointError is raised at once. Raises FileNotFoundError if there is no step
+        directory, CheckpointError naming each one tried if none verifies.
+        """
+        self.wait()
+        dirs = self._step_dirs()
+        tried = []
+        for step in sorted(dirs, reverse=True):
+            path = dirs[step]
+            reason = NO_MANIFEST
+            if _has_manifest(path):
+                try:
+                    return self._restore(path, like, partial)
+                except CorruptCheckpointError as e:
+                    reason = e.reason
+                except FileNotFoundError:  # its manifest.json went meanwhile
+                    pass
+            if not (path.exists() or path.is_symlink()):
+                continue  # not damage: pruned meanwhile by a writer
+            tried.append(f"{path.name}: {reason}")
+            if on_skip is not None:
+                on_skip(path, reason)
+        if not tried:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        raise CheckpointError(f"no checkpoint in {self.directory} can be restored: "
+                              + "; ".join(tried))
+
+    def _restore(self, path: Path, like, partial: bool) -> Restored:
         manifest = _read_manifest(path)
         records = {r["path"]: r for r in manifest["arrays"]}
         if like is None:
@@ -399,7 +579,7 @@ class Checkpointer:
             leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
             names = [jax.tree_util.keystr(p) for p, _ in leaves]
             missing = [n for n in names if n not in records]
-            extra = [n for n in records if n not in set(names)]
+            extra = [] if partial else [n for n in records if n not in set(names)]
             if missing or extra:
                 raise CheckpointError(
                     f"checkpoint {path} does not match the tree to restore into: "
@@ -422,10 +602,14 @@ class Checkpointer:
                 raise FileNotFoundError(f"no checkpoint in {self.directory}")
             step = steps[-1]
         path = self.step_path(int(step))
-        if not (path / "manifest.json").is_file():
+        if not _has_manifest(path):
             raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory} "
                                     f"(there are: {self.steps() or 'none'})")
         return path
+
+
+def _has_manifest(step_dir: Path) -> bool:
+    return (step_dir / "manifest.json").is_file()
 
 
 def _write_chunk(root: Path, name: str, index, data: np.ndarray) -> dict:
@@ -441,14 +625,18 @@ def _write_chunk(root: Path, name: str, index, data: np.ndarray) -> dict:
 def _read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(path, f"cannot read manifest.json: {_os_reason(e)}") \
+            from None
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
+        raise CorruptCheckpointError(path, f"manifest.json is corrupt ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: manifest.json is not a {FORMAT} manifest")
+        raise CorruptCheckpointError(path, f"manifest.json is not a {FORMAT} manifest")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if hashlib.sha256(_canonical(body)).hexdigest() != manifest.get("sha256"):
-        raise CheckpointError(f"checkpoint {path}: manifest.json fails its checksum: it is "
-                              f"corrupt")
+        raise CorruptCheckpointError(path, "manifest.json fails its checksum: it is corrupt")
     if manifest["version"] != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path}: format version {manifest['version']} is "
                               f"not {FORMAT_VERSION}")
@@ -468,19 +656,20 @@ class _ArrayReader:
         if j not in self._chunks:
             chunk = self.record["chunks"][j]
             file = self.root / chunk["file"]
-            where = f"checkpoint {self.root}: array {self.name} ({chunk['file']})"
+            where = f"array {self.name} ({chunk['file']})"
             try:
                 size = file.stat().st_size
                 raw = file.read_bytes()
             except OSError as e:
-                raise CheckpointError(f"{where}: cannot read: {e.strerror or e}") from None
+                raise CorruptCheckpointError(self.root, f"{where}: cannot read: "
+                                                        f"{e.strerror or e}") from None
             if size != chunk["nbytes"]:
                 problem = "truncated" if size < chunk["nbytes"] else "too long"
-                raise CheckpointError(f"{where}: {problem}: {size} bytes, expected "
-                                      f"{chunk['nbytes']}")
+                raise CorruptCheckpointError(self.root, f"{where}: {problem}: {size} bytes, "
+                                                        f"expected {chunk['nbytes']}")
             if hashlib.sha256(raw).hexdigest() != chunk["sha256"]:
-                raise CheckpointError(f"{where}: checksum mismatch: the data is corrupt; "
-                                      f"refusing to load it")
+                raise CorruptCheckpointError(self.root, f"{where}: checksum mismatch: the "
+                                                        f"data is corrupt")
             shape = [b - a for a, b in chunk["index"]]
             self._chunks[j] = np.frombuffer(raw, dtype=self.dtype).reshape(shape)
         return self._chunks[j]

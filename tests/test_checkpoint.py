@@ -1,13 +1,18 @@
 """Checkpoints: round trips (bf16, optax states, PRNG keys, sharded arrays onto other device
-counts), asynchronous saves, atomicity under failures, keep-last-N, and refusal of corrupt
-files. The sharded tests use the 8 emulated CPU devices that conftest.py asks for."""
+counts), asynchronous saves, atomicity under failures, keep-last-N, refusal of corrupt files,
+unwritable folders found early and failed saves reported in one line, falling back past a
+damaged latest checkpoint, partial (parameters only) restores. The sharded tests use the 8
+emulated CPU devices that conftest.py asks for."""
 
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -17,7 +22,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from blujax.checkpoint import Checkpointer, CheckpointError
+from blujax.checkpoint import (NO_MANIFEST, Checkpointer, CheckpointError,
+                               CorruptCheckpointError)
 
 
 @dataclasses.dataclass
@@ -198,7 +204,10 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, rng, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
     ckpt.save(2, later)
-    with pytest.raises(OSError, match="No space left"):
+    # One line naming the checkpoint and the reason (the CLI prints it as `error: ...`).
+    with pytest.raises(CheckpointError, match=r"^cannot write checkpoint of step 2 to \S*"
+                                              r"step_00000002: \[Errno 28\] No space left on "
+                                              r"device$"):
         ckpt.wait()
     monkeypatch.setattr(os, "fsync", real_fsync)
 
@@ -333,3 +342,317 @@ def test_restore_mismatches_and_bad_saves(tmp_path, rng):
     with pytest.raises(TypeError, match="JSON-serializable"):
         ckpt.save(1, state, config={"f": object()})
     assert ckpt.steps() == [0]
+
+
+# --------------------------------------------------------------------------------------------
+# A folder that cannot take checkpoints: found before training, or at a save as one line.
+# (The tests run as root here, where chmod stops no writes: failures are simulated as well.)
+
+
+def test_unwritable_folder_is_found_before_training(tmp_path, monkeypatch):
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("not a folder")
+    with pytest.raises(CheckpointError, match=rf"^cannot open checkpoint folder {a_file} for "
+                                              r"writing: it is a file, not a folder$"):
+        Checkpointer(a_file)
+    with pytest.raises(CheckpointError, match=r"^cannot open checkpoint folder \S*ckpt/sub for "
+                                              r"writing: \[Errno 20\] Not a directory$"):
+        Checkpointer(a_file / "sub")
+
+    folder = tmp_path / "run" / "ckpt"
+    ckpt = Checkpointer(folder)
+    ckpt.check_writable()  # leaves nothing behind
+    assert list(folder.iterdir()) == []
+    real_fsync = os.fsync
+
+    def refused(fd):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "fsync", refused)
+    with pytest.raises(CheckpointError, match=rf"^cannot write checkpoints to {folder}: "
+                                              r"\[Errno 13\] Permission denied$"):
+        ckpt.check_writable()
+    assert list(folder.iterdir()) == []  # the probe is removed
+    monkeypatch.setattr(os, "fsync", real_fsync)
+
+    # The folder made unusable after the Checkpointer was opened: replaced by a file.
+    folder.rmdir()
+    folder.write_text("")
+    with pytest.raises(CheckpointError, match=r"it is a file, not a folder"):
+        ckpt.check_writable()
+    folder.unlink()
+    ckpt.check_writable()  # made again
+    assert folder.is_dir()
+    with pytest.raises(CheckpointError, match=r"one takes [\d,.]+ MiB and the disk has "):
+        ckpt.check_writable(nbytes=2**70)
+    with pytest.raises(CheckpointError, match="read_only=True"):
+        Checkpointer(folder, read_only=True).check_writable()
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes into a read-only folder")
+def test_read_only_folder(tmp_path):
+    folder = tmp_path / "ckpt"
+    ckpt = Checkpointer(folder, async_save=False)
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointError, match=r"Permission denied"):
+            ckpt.check_writable()
+        with pytest.raises(CheckpointError, match=r"^cannot write checkpoint of step 1 to "
+                                                  r"\S*step_00000001: \[Errno 13\] Permission"):
+            ckpt.save(1, {"w": jnp.arange(3.0)})
+    finally:
+        folder.chmod(0o700)
+
+
+def test_failed_background_save_stops_promptly(tmp_path, rng, monkeypatch):
+    state = make_state(rng)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.raise_if_failed()  # nothing saved yet
+    ckpt.save(1, state)
+    info = ckpt.wait()
+    ckpt.raise_if_failed()
+
+    # While a write runs, raise_if_failed returns at once; once it has failed, it raises.
+    go = threading.Event()
+    real_rename = os.rename
+
+    def refused_rename(src, dst):
+        go.wait(30)
+        if ".tmp-step_" in str(src):
+            raise PermissionError(13, "Permission denied", str(src))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refused_rename)
+    ckpt.save(2, state)
+    ckpt.raise_if_failed()
+    assert ckpt.in_flight()
+    go.set()
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointError) as raised:
+        while time.monotonic() < deadline:
+            ckpt.raise_if_failed()
+            time.sleep(0.01)
+    message = str(raised.value)
+    assert message == (f"cannot write checkpoint of step 2 to {tmp_path / 'step_00000002'}: "
+                       f"[Errno 13] Permission denied"), message
+    assert not ckpt.in_flight()
+    ckpt.raise_if_failed()  # raised once
+    assert ckpt.wait() is None
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no temp folder
+
+    # A write that succeeded: raise_if_failed leaves its SaveInfo to wait().
+    info = ckpt.save(3, state)
+    while ckpt.in_flight():
+        time.sleep(0.01)
+    ckpt.raise_if_failed()
+    assert ckpt.wait() is info and ckpt.steps() == [1, 3]
+
+    # Synchronous saves raise it at once; the file write itself refused, this time.
+    sync = Checkpointer(tmp_path, async_save=False)
+    real_open = open
+
+    def refused_open(file, mode="r", *args, **kwargs):
+        if "w" in mode and "arrays" in str(file):
+            raise OSError(30, "Read-only file system", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refused_open)
+    with pytest.raises(CheckpointError, match=r"^cannot write checkpoint of step 4 to \S*"
+                                              r"step_00000004: \[Errno 30\] Read-only file "
+                                              r"system$"):
+        sync.save(4, state)
+    monkeypatch.undo()
+    assert sync.steps() == [1, 3]
+    assert_trees_equal(state, sync.restore(like=state).tree)
+
+
+def test_save_over_a_damaged_step_and_prune_around_damage(tmp_path, rng, monkeypatch):
+    x = jnp.asarray(rng.standard_normal(7), jnp.float32)
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    for step in (1, 2, 3):
+        ckpt.save(step, {"x": x * step})
+    assert ckpt.steps() == [2, 3]
+    # Damage: step 3's manifest deleted, step 5 a file, step 4 a folder with junk in it.
+    (tmp_path / "step_00000003" / "manifest.json").unlink()
+    (tmp_path / "step_00000005").write_text("junk")
+    (tmp_path / "step_00000004").mkdir()
+    (tmp_path / "step_00000004" / "junk").write_text("junk")
+    assert ckpt.steps() == [2] and ckpt.incomplete_steps() == [3, 4, 5]
+    # The run goes on from step 2 and saves over each of them.
+    for step in (3, 4, 5):
+        ckpt.save(step, {"x": x * step * 10})
+        np.testing.assert_array_equal(ckpt.restore({"x": x}, step).tree["x"], x * step * 10)
+    assert ckpt.steps() == [4, 5] and ckpt.incomplete_steps() == []
+    assert ckpt.restore_latest({"x": x}, on_skip=no_skip).step == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
+    np.testing.assert_array_equal(ckpt.restore(like={"x": x}).tree["x"], x * 5 * 10)
+
+    # A step folder without a manifest older than every one kept is pruned; a newer one is
+    # left for the save of its step to replace.
+    (tmp_path / "step_00000001").mkdir()
+    (tmp_path / "step_00000009").mkdir()
+    ckpt.save(6, {"x": x})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005", "step_00000006",
+                                                          "step_00000009"]
+
+    # Another process sharing the folder prunes the same checkpoint first.
+    real_rename = os.rename
+
+    def raced_rename(src, dst):
+        if ".trash-" in str(dst):
+            shutil.rmtree(src)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", raced_rename)
+    ckpt.save(7, {"x": x})
+    monkeypatch.undo()
+    assert ckpt.steps() == [6, 7]
+
+
+# --------------------------------------------------------------------------------------------
+# A damaged latest checkpoint: fall back to the newest that verifies; partial restores.
+
+
+def no_skip(path, why):
+    pytest.fail(f"skipped {path}: {why}")
+
+
+def flip_byte(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def three_checkpoints(tmp_path, rng):
+    states = []
+    ckpt = Checkpointer(tmp_path, keep=3, async_save=False)
+    for step in (1, 2, 3):
+        state = make_state(rng)
+        ckpt.save(step, state, loader={"batch": step})
+        states.append(state)
+    return ckpt, states
+
+
+def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
+    ckpt, states = three_checkpoints(tmp_path, rng)
+    like = states[0]
+    r = ckpt.restore_latest(like, on_skip=no_skip)
+    assert r.step == 3 and r.loader == {"batch": 3}
+    assert_trees_equal(states[2], r.tree)
+
+    step3 = tmp_path / "step_00000003"
+    flip_byte(array_file(step3, "['params']['wte']"))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ckpt.restore(like=like)
+    skipped = []
+    r = ckpt.restore_latest(like, on_skip=lambda path, why: skipped.append((path, why)))
+    assert r.step == 2 and r.loader == {"batch": 2} and r.path == tmp_path / "step_00000002"
+    assert_trees_equal(states[1], r.tree)  # bit for bit
+    (path, why), = skipped
+    assert path == step3
+    assert why.startswith("array ['params']['wte'] (arrays/") and "checksum mismatch" in why
+    # The parameters of a corrupt checkpoint are not restored in part either.
+    r = ckpt.restore_latest({"params": like["params"]}, partial=True, on_skip=lambda *a: None)
+    assert r.step == 2
+
+    # Step 2's manifest deleted as well: skipped, reported, and step 1 restored.
+    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    assert ckpt.steps() == [1, 3] and ckpt.incomplete_steps() == [2]
+    skipped = []
+    r = ckpt.restore_latest(like, on_skip=lambda path, why: skipped.append((path.name, why)))
+    assert r.step == 1
+    assert_trees_equal(states[0], r.tree)
+    assert [name for name, _ in skipped] == ["step_00000003", "step_00000002"]
+    assert skipped[1][1] == NO_MANIFEST
+
+    # A tree that does not match is no reason to fall back.
+    wrong = dict(like, scale=np.zeros(3))
+    with pytest.raises(CheckpointError, match=r"\['scale'\] has shape \[\], the tree \[3\]") \
+            as raised:
+        ckpt.restore_latest(wrong, on_skip=lambda *a: None)
+    assert not isinstance(raised.value, CorruptCheckpointError)
+
+    # None verifies: one error naming each one tried.
+    (tmp_path / "step_00000001" / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=rf"^no checkpoint in {tmp_path} can be restored: "
+                                              r"step_00000003: array .*checksum mismatch.*; "
+                                              rf"step_00000002: {re.escape(NO_MANIFEST)}; "
+                                              r"step_00000001: manifest.json is corrupt"):
+        ckpt.restore_latest(like)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        Checkpointer(tmp_path / "empty").restore_latest(like)
+
+
+def test_partial_restore_reads_only_its_arrays(tmp_path, rng):
+    ckpt, states = three_checkpoints(tmp_path, rng)
+    params_like = {"params": states[0]["params"]}
+    with pytest.raises(CheckpointError, match="in the checkpoint but not in the tree"):
+        ckpt.restore(like=params_like)  # the default stays strict
+    with pytest.raises(CheckpointError, match=r"not in the checkpoint: \['params'\]\['nope'\]"):
+        ckpt.restore(like={"params": {"nope": jnp.zeros(2)}}, partial=True)
+
+    step3 = tmp_path / "step_00000003"
+    flip_byte(array_file(step3, "['opt_state'][0].nu['wte']"))
+    # The parameters of step 3 verify: eval and sample use them ...
+    r = ckpt.restore(like=params_like, partial=True)
+    assert r.step == 3 and list(r.tree) == ["params"]
+    assert_trees_equal({"params": states[2]["params"]}, r.tree)
+    r = ckpt.restore_latest(params_like, partial=True, on_skip=no_skip)
+    assert r.step == 3
+    # ... while resuming, which needs the optimizer state too, falls back.
+    skipped = []
+    r = ckpt.restore_latest(states[0], on_skip=lambda path, why: skipped.append(why))
+    assert r.step == 2
+    assert len(skipped) == 1 and "['opt_state'][0].nu['wte']" in skipped[0]
+    # The manifest is checked all the same.
+    manifest = step3 / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"batch": 3', '"batch": 4'))
+    with pytest.raises(CorruptCheckpointError, match="manifest.json fails its checksum"):
+        ckpt.restore(like=params_like, partial=True)
+
+
+def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypatch):
+    from blujax.cli import run
+
+    out = tmp_path / "run"
+    ckpt = Checkpointer(run.checkpoint_dir(out), async_save=False)
+    states = []
+    for step in (4, 8, 12):
+        state = make_state(rng)
+        ckpt.save(step, state, loader={"batch": step})
+        states.append(state)
+    monkeypatch.setattr(run, "_checkpoint_like", lambda s, ops: states[0])
+    step12, step8 = (run.checkpoint_dir(out) / f"step_{n:08d}" for n in (12, 8))
+
+    mu = array_file(step12, "['opt_state'][0].mu['wte']")
+    flip_byte(mu)
+    warnings = []
+    r = run.restore_latest(out, None, None, params_only=True, warn=warnings.append)
+    assert r.step == 12 and list(r.tree) == ["params"] and warnings == []
+    assert_trees_equal({"params": states[2]["params"]}, r.tree)
+    r = run.restore_latest(out, None, None, warn=warnings.append)
+    assert r.step == 8 and r.loader == {"batch": 8}
+    assert_trees_equal(states[1], r.tree)
+    assert warnings == [
+        f"warning: checkpoint {step12} is corrupt (array ['opt_state'][0].mu['wte'] "
+        f"({mu.relative_to(step12)}): checksum mismatch: the data is corrupt): skipped; "
+        f"restoring step 8 instead"]
+
+    warnings.clear()
+    (step8 / "manifest.json").unlink()
+    r = run.restore_latest(out, None, None, warn=warnings.append)
+    assert r.step == 4
+    assert len(warnings) == 2 and warnings[1] == (
+        f"warning: {step8} has no manifest.json (deleted or never finished): skipped; "
+        f"restoring step 4 instead")
+    assert run.restore_latest(out, None, None).step == 4  # warn=None: silent
+    assert run.checkpoint_steps(out) == [4, 12]  # the complete ones, as before
+
+    for step_dir in (step12, run.checkpoint_dir(out) / "step_00000004"):
+        flip_byte(array_file(step_dir, "['params']['wte']"))
+    with pytest.raises(CheckpointError, match=r"^no checkpoint in \S+ can be restored: "
+                                              r"step_00000012: .*; step_00000008: .*; "
+                                              r"step_00000004: array \['params'\]\['wte'\]"):
+        run.restore_latest(out, None, None, params_only=True, warn=warnings.append)

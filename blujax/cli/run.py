@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import jax
 
-from blujax.checkpoint import Checkpointer
+from blujax.checkpoint import NO_MANIFEST, Checkpointer, Restored
 from blujax.cli.corpus import DataSource
 from blujax.cli.settings import TrainSettings, UsageError, model_preset, training_config
 from blujax.model import gpt2
@@ -90,14 +91,36 @@ def checkpoint_steps(out: Path) -> list[int]:
     return Checkpointer(checkpoint_dir(out), read_only=True).steps()
 
 
-def restore_latest(out: Path, s: TrainSettings, ops):
-    """The latest checkpoint of the run in `out` (a checkpoint.Restored: .tree, .step,
-    .loader), read without touching the folder (so every process of a run may read it), on
-    this process's first device."""
+def restore_latest(out: Path, s: TrainSettings, ops, *, params_only: bool = False,
+                   warn: Callable[[str], None] | None = None) -> Restored:
+    """The newest checkpoint of the run in `out` that verifies (a checkpoint.Restored: .tree,
+    .step, .loader), read without touching the folder (so every process of a run may read
+    it), on this process's first device.
+
+    A newer one that is corrupt, or whose manifest.json is gone, is skipped, with one line
+    to warn() for each (none if warn is None); if none verifies, CheckpointError says what
+    was tried. params_only=True restores the parameters alone ({"params": ...}), reading and
+    verifying only them: what `eval` and `sample` need, so that a damaged optimizer state
+    does not stop them."""
     reader = Checkpointer(checkpoint_dir(out), read_only=True)
-    if not reader.steps():
+    if not reader.steps() and not reader.incomplete_steps():
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
-    return reader.restore(like=_checkpoint_like(s, ops))
+    like = _checkpoint_like(s, ops)
+    if params_only:
+        like = {"params": like["params"]}
+    skipped = []
+    try:
+        restored = reader.restore_latest(like, partial=params_only,
+                                         on_skip=lambda path, why: skipped.append((path, why)))
+    except FileNotFoundError:  # deleted since the listing
+        raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
+            from None
+    if warn is not None:
+        for path, why in skipped:
+            what = (f"{path} has {why}" if why == NO_MANIFEST
+                    else f"checkpoint {path} is corrupt ({why})")
+            warn(f"warning: {what}: skipped; restoring step {restored.step} instead")
+    return restored
 
 
 def _checkpoint_like(s: TrainSettings, ops):
