@@ -6,8 +6,10 @@
     state, metrics = step(state, inputs, targets)    # int32 [accum_steps, B, T] each
 
 The step is one `jax.jit` program: forward and backward of every micro-batch (a `lax.scan`
-summing float32 gradients), global-norm clipping, AdamW with a warmup + cosine learning rate,
-and the parameter update, with the old state's buffers donated to the new one. With our
+summing float32 gradients), global-norm clipping (none for grad_clip 0), AdamW with a warmup +
+cosine learning rate, and the parameter update, with the old state's buffers donated to the new
+one. A step whose loss or gradient norm is not finite updates nothing but the step counter
+(metrics["skipped"] says so); the caller decides when too many in a row end a run. With our
 kernels (`ops=blujax.kernels`) the optimizer is `blujax.optim.adamw` (a fused in-place
 kernel); with the plain-XLA ops it is `optax.adamw`, the ordinary JAX baseline. No randomness
 enters a step, so a run is a function of its seed and its data order.
@@ -16,11 +18,13 @@ enters a step, so a run is a function of its seed and its data order.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from blujax import kernels, optim
@@ -49,16 +53,35 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {', '.join(DTYPES)}, got "
                              f"{self.dtype!r}")
-        if self.steps < 1 or self.accum_steps < 1 or self.warmup_steps < 0:
-            raise ValueError("TrainConfig: steps and accum_steps must be >= 1 and warmup_steps "
-                             f">= 0, got {self.steps}, {self.accum_steps}, {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got "
-                             f"{self.min_lr_ratio}")
+        # Every number checked here, once: a NaN, an inf or a sign slip otherwise trains on
+        # quietly (a negative grad_clip reverses every step, lr = inf makes NaN params).
+        # warmup_steps may exceed steps: the warmup then never finishes, a well-defined ramp.
+        _check_int("steps", self.steps, low=1)
+        _check_int("accum_steps", self.accum_steps, low=1)
+        _check_int("warmup_steps", self.warmup_steps, low=0)
+        _check_float("learning_rate", self.learning_rate, "> 0", lambda x: x > 0)
+        _check_float("min_lr_ratio", self.min_lr_ratio, "in [0, 1]", lambda x: 0 <= x <= 1)
+        _check_float("weight_decay", self.weight_decay, ">= 0", lambda x: x >= 0)
+        _check_float("grad_clip", self.grad_clip, ">= 0 (0: no clipping)", lambda x: x >= 0)
+        _check_float("b1", self.b1, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check_float("b2", self.b2, "in [0, 1)", lambda x: 0 <= x < 1)
+        _check_float("eps", self.eps, "> 0", lambda x: x > 0)
 
     @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
+
+
+def _check_int(name, value, *, low):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"TrainConfig.{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_float(name, value, bounds, ok):
+    """A finite real number (not a bool) for which ok(value) holds."""
+    if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool)
+            or not math.isfinite(value) or not ok(value)):
+        raise ValueError(f"TrainConfig.{name} must be a finite number {bounds}, got {value!r}")
 
 
 class TrainState(NamedTuple):
@@ -83,8 +106,12 @@ def schedule(tcfg: TrainConfig):
 
 
 def make_optimizer(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW; biases and LayerNorm parameters do not decay."""
-    return optax.chain(optax.clip_by_global_norm(tcfg.grad_clip), make_adamw(tcfg, ops))
+    """Global-norm clipping (none for grad_clip 0, as in nanoGPT), then AdamW; biases and
+    LayerNorm parameters do not decay."""
+    # optax.identity's state is clip_by_global_norm's (EmptyState), so a checkpoint does not
+    # depend on grad_clip.
+    clip = optax.clip_by_global_norm(tcfg.grad_clip) if tcfg.grad_clip else optax.identity()
+    return optax.chain(clip, make_adamw(tcfg, ops))
 
 
 def make_adamw(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
@@ -116,13 +143,21 @@ def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
     """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
 
     inputs, targets: int32 [accum_steps, B, T]. metrics: float32 scalars loss (mean over the
-    micro-batches), grad_norm (before clipping) and lr (of this step).
+    micro-batches), grad_norm (before clipping), lr (of this step) and skipped (1.0 where the
+    loss or grad_norm was not finite: params and opt_state are then returned unchanged, bit
+    for bit, and only state.step advances; else 0.0). AdamW's own count, which its learning
+    rate and bias correction follow, counts the updates made: after k skipped steps it is k
+    behind state.step (and the lr it applies is lr_at(state.step - k)).
     """
     optimizer = make_optimizer(tcfg, ops)
     lr_at = schedule(tcfg)
     grad_fn = jax.value_and_grad(partial(loss_fn, config=config, ops=ops,
                                          dtype=tcfg.compute_dtype, remat=tcfg.remat,
                                          scan_layers=tcfg.scan_layers))
+
+    def update(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
     def step(state: TrainState, inputs, targets):
         check_batch(inputs, targets, tcfg)
@@ -135,13 +170,33 @@ def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
         (loss, grads), _ = jax.lax.scan(micro, zero, (inputs, targets))
         n = inputs.shape[0]
         loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": lr_at(state.step).astype(jnp.float32)}
+        norm = optax.tree.norm(grads)
+        finite = finite_step(loss, norm)
+        params, opt_state = skip_unless(finite, update, state.params, state.opt_state, grads)
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
+                   "skipped": 1.0 - finite.astype(jnp.float32)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return jax.jit(step, donate_argnums=0)
+
+
+def finite_step(loss, grad_norm):
+    """Whether a step may update the params: its loss and gradient norm both finite (a NaN or
+    inf anywhere in the gradients makes the norm one)."""
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+
+def skip_unless(finite, update, params, opt_state, *args):
+    """update(params, opt_state, *args) -> (params, opt_state) where `finite`, else the two as
+    they are: a step with a non-finite loss or gradient is skipped, as llm.c skips outliers.
+
+    A lax.cond rather than a jnp.where per leaf: the where would be one more pass over the
+    params and both AdamW moments every step (the fused AdamW call writes its moments in place,
+    so the old values could not be selected afterwards without copies of them); the cond costs
+    one scalar read of the predicate, and its skipping branch passes the donated buffers
+    through.
+    """
+    return jax.lax.cond(finite, update, lambda p, s, *_: (p, s), params, opt_state, *args)
 
 
 def make_eval_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):

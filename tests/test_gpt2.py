@@ -7,6 +7,7 @@ skips without them.
 
 import dataclasses
 import os
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -167,6 +168,113 @@ def test_schedule_warmup_then_cosine():
                                [0.1, 1.0, 1.0, 0.55, 0.1, 0.1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("learning_rate", 0.0), ("learning_rate", -1e-3), ("learning_rate", float("inf")),
+    ("learning_rate", float("nan")), ("min_lr_ratio", -0.1), ("min_lr_ratio", 1.5),
+    ("min_lr_ratio", float("nan")), ("weight_decay", -0.1), ("weight_decay", float("inf")),
+    ("grad_clip", -1.0), ("grad_clip", float("inf")), ("grad_clip", float("nan")),
+    ("b1", 1.0), ("b1", -0.1), ("b2", 1.0), ("b2", float("nan")), ("eps", 0.0),
+    ("eps", float("inf")), ("warmup_steps", -1), ("warmup_steps", 1.5), ("steps", 0),
+    ("accum_steps", 0), ("learning_rate", True), ("grad_clip", "1.0")])
+def test_train_config_rejects_bad_numbers(field, value):
+    kw = {"steps": 10, field: value}
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field} must be"):
+        train.TrainConfig(**kw)
+
+
+def test_train_config_takes_edge_values():
+    train.TrainConfig(steps=10, warmup_steps=20, min_lr_ratio=0.0, weight_decay=0.0,
+                      grad_clip=0.0, b1=0.0, b2=0.0)  # a warmup longer than the run: a ramp
+    train.TrainConfig(steps=10, min_lr_ratio=1, grad_clip=1, learning_rate=1)  # ints are fine
+
+
+def _params_np(state):
+    return jax.tree.map(np.asarray, state)
+
+
+@pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_grad_clip_zero_means_no_clipping(name):
+    """grad_clip 0 trains (it used to scale every gradient to zero) and equals AdamW on the
+    unclipped gradients; a grad_clip below the norm does clip."""
+    ops = model_ops.get(name)
+    batch = _tokens(11, (1, 4, 33))
+    tcfg = train.TrainConfig(steps=5, learning_rate=1e-3, grad_clip=0.0, dtype="f32")
+    state = train.init_state(CONFIG, tcfg, jax.random.key(0), ops)
+    before = _params_np(state.params)
+    # The reference: the plain unclipped update (no chain at all), on a copy of the state.
+    loss, grads = jax.jit(jax.value_and_grad(partial(train.loss_fn, config=CONFIG, ops=ops)))(
+        state.params, batch[0, :, :-1], batch[0, :, 1:])
+    adamw = train.make_adamw(tcfg, ops)
+    updates, _ = jax.jit(adamw.update)(grads, jax.tree.map(jnp.copy, state.opt_state[1]),
+                                        state.params)
+    want = jax.tree.map(np.add, before, _params_np(updates))
+    got, m = train.make_train_step(CONFIG, tcfg, ops)(state, batch[..., :-1], batch[..., 1:])
+    assert float(m["grad_norm"]) > 0.1 and float(m["skipped"]) == 0.0
+    np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-6)
+    rel_close(got.params, want, 1e-6)
+    assert not np.array_equal(got.params["wte"], before["wte"])  # it trains
+    # Clipping below the norm gives another step.
+    clip = dataclasses.replace(tcfg, grad_clip=0.01)
+    state = train.init_state(CONFIG, clip, jax.random.key(0), ops)
+    clipped, _ = train.make_train_step(CONFIG, clip, ops)(state, batch[..., :-1], batch[..., 1:])
+    assert not np.allclose(clipped.params["wte"], got.params["wte"], rtol=1e-3, atol=0)
+
+
+def _poison(state):
+    """The state with one NaN weight: every later loss and gradient is NaN."""
+    wte = state.params["wte"].at[3, 5].set(jnp.nan)
+    return state._replace(params={**state.params, "wte": wte})
+
+
+@pytest.mark.parametrize("name", ["ffi", "xla"])
+def test_non_finite_step_is_skipped(name):
+    """A NaN loss leaves params and AdamW state as they were, bit for bit; the step counter
+    advances (the schedule and the loop count by it) and the metric says skipped."""
+    ops = model_ops.get(name)
+    tcfg = train.TrainConfig(steps=10, warmup_steps=2, learning_rate=1e-3, dtype="f32")
+    batch = _tokens(12, (1, 4, 33))
+    step = train.make_train_step(CONFIG, tcfg, ops)
+    state, m = step(train.init_state(CONFIG, tcfg, jax.random.key(0), ops), batch[..., :-1],
+                    batch[..., 1:])
+    assert float(m["skipped"]) == 0.0 and m["skipped"].dtype == jnp.float32
+    state = _poison(state)
+    before = _params_np(state)
+    for i in range(2):
+        state, m = step(state, batch[..., :-1], batch[..., 1:])
+        assert np.isnan(float(m["loss"])) and float(m["skipped"]) == 1.0
+        assert int(state.step) == 2 + i
+        np.testing.assert_allclose(float(m["lr"]), float(train.schedule(tcfg)(1 + i)))
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(_params_np(state.params)),
+                                jax.tree.leaves(before.params)):
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(before.opt_state)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_skipping_leaves_a_finite_step_as_it_was(monkeypatch):
+    """With finite losses the step computes what it did before skipping existed (the update
+    applied unconditionally), bit for bit, over a few steps with clipping."""
+    tcfg = train.TrainConfig(steps=3, learning_rate=1e-3, grad_clip=0.5, dtype="f32")
+    batches = [_tokens(13 + i, (1, 4, 33)) for i in range(tcfg.steps)]
+
+    def run():
+        state = train.init_state(CONFIG, tcfg, jax.random.key(0))
+        step = train.make_train_step(CONFIG, tcfg)
+        metrics = []
+        for b in batches:
+            state, m = step(state, b[..., :-1], b[..., 1:])
+            metrics.append({k: float(v) for k, v in m.items()})
+        return _params_np(state), metrics
+
+    state, metrics = run()
+    monkeypatch.setattr(train, "skip_unless", lambda finite, update, *args: update(*args))
+    want, want_metrics = run()
+    for m, w in zip(metrics, want_metrics):
+        assert m == w and m["skipped"] == 0.0
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 5)])
 def test_kv_cache_sampling_equals_full_recompute(temperature, top_k):
     params = gpt2.init(CONFIG, jax.random.key(7))
@@ -183,6 +291,39 @@ def test_kv_cache_sampling_equals_full_recompute(temperature, top_k):
     if temperature:
         other = sample.generate(params, prompt, **{**kw, "key": jax.random.key(10)})
         assert not np.array_equal(other, cached)
+
+
+def test_xla_namespace_is_one_hashable_object():
+    """The namespaces are static arguments of jitted functions (sample.generate's): they must
+    hash, and get() must give the same object each time so the jit caches hit."""
+    assert model_ops.get("xla") is XLA and model_ops.get("ffi") is FFI
+    assert hash(XLA) == hash(model_ops.get("xla"))
+    with pytest.raises(AttributeError, match="read-only"):
+        XLA.gelu = None
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_on_both_namespaces(use_cache):
+    """The tiny preset samples on either namespace (the xla one used to fail as an unhashable
+    static argument), and greedy decoding in float32 picks the same tokens on both."""
+    config = gpt2.get_config("tiny")
+    params = gpt2.init(config, jax.random.key(3))
+    # Larger weights than at init: logits far apart, so the argmax is not a near tie that
+    # rounding could flip between the two namespaces.
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    params = tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape)
+                             for x, k in zip(leaves, keys)])
+    prompt = _tokens(5, (2, 4), config.vocab_size)
+    out = {}
+    for name in ("ffi", "xla"):
+        kw = dict(config=config, key=jax.random.key(6), max_new_tokens=8,
+                  ops=model_ops.get(name), use_cache=use_cache)
+        out[name] = sample.generate(params, prompt, temperature=0.0, **kw)
+        sampled = sample.generate(params, prompt, temperature=1.0, top_k=50, **kw)
+        assert sampled.shape == (2, 12) and int(sampled.max()) < config.vocab_size
+        np.testing.assert_array_equal(sampled[:, :4], prompt)
+    np.testing.assert_array_equal(out["ffi"], out["xla"])
 
 
 def test_generate_checks():

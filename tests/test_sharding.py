@@ -136,7 +136,7 @@ def test_five_steps_match_one_device(mesh_shape, shard_optimizer):
     for i in range(TCFG.steps):
         batch = _tokens(10 + i, (TCFG.accum_steps, B, T + 1))
         state, m = step(state, batch[..., :-1], batch[..., 1:])
-        for name in ("loss", "grad_norm", "lr"):
+        for name in ("loss", "grad_norm", "lr", "skipped"):
             np.testing.assert_allclose(float(m[name]), float(metrics_1[i][name]), rtol=1e-5,
                                        err_msg=f"step {i} {name}")
     assert float(metrics_1[0]["grad_norm"]) > TCFG.grad_clip  # the clipping was exercised
@@ -155,6 +155,59 @@ def test_five_steps_match_one_device(mesh_shape, shard_optimizer):
     assert state.params["wte"].addressable_shards[0].data.shape == (512 // tp, C)
     mu = state.opt_state[1].mu["blocks"]["mlp_fc"]["w"]  # [L, C, 4C]
     assert mu.addressable_shards[0].data.size == mu.size // tp // (dp if shard_optimizer else 1)
+
+
+@pytest.mark.parametrize("mesh_shape,shard_optimizer", [((8, 1, 1), True), ((2, 2, 2), False)])
+def test_grad_clip_zero_matches_one_device(mesh_shape, shard_optimizer):
+    """grad_clip 0 is no clipping in the sharded step too (it used to zero every update)."""
+    tcfg = train.TrainConfig(steps=2, learning_rate=1e-3, grad_clip=0.0, dtype="f32")
+    batches = [_tokens(20 + i, (1, B, T + 1)) for i in range(tcfg.steps)]
+    one = train.init_state(CONFIG, tcfg, jax.random.key(0))
+    mesh = _mesh(mesh_shape)
+    # Its own copy: both steps donate their state.
+    state = sharding.shard_state(jax.tree.map(np.asarray, one), mesh,
+                                 shard_optimizer=shard_optimizer)
+    step_1 = train.make_train_step(CONFIG, tcfg)
+    step = sharding.make_sharded_train_step(CONFIG, tcfg, mesh, shard_optimizer=shard_optimizer)
+    for b in batches:
+        one, m_1 = step_1(one, b[..., :-1], b[..., 1:])
+        state, m = step(state, b[..., :-1], b[..., 1:])
+        assert float(m["grad_norm"]) > 0.1
+        for name in ("loss", "grad_norm", "lr", "skipped"):
+            np.testing.assert_allclose(float(m[name]), float(m_1[name]), rtol=1e-5,
+                                       err_msg=name)
+    got = without_key_bias(sharding.unshard_params(state.params))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(without_key_bias(one.params))):
+        assert float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) <= 0.25 * tcfg.learning_rate
+
+
+# Data parallel with ZeRO, tensor parallel with both overlap options, and all three axes.
+@pytest.mark.parametrize("mesh_shape,shard_optimizer,overlap", [
+    ((8, 1, 1), True, False), ((2, 4, 1), False, True), ((2, 2, 2), False, False)])
+def test_non_finite_step_is_skipped(mesh_shape, shard_optimizer, overlap):
+    """As train.make_train_step: a NaN loss leaves params and AdamW state bit for bit, the
+    step counter advances, skipped is 1; a finite step has skipped 0."""
+    tcfg = train.TrainConfig(steps=5, learning_rate=1e-3, dtype="f32")
+    mesh = _mesh(mesh_shape)
+    step = sharding.make_sharded_train_step(CONFIG, tcfg, mesh, shard_optimizer=shard_optimizer,
+                                            collective_matmul=overlap,
+                                            reduce_in_backward=overlap)
+    batch = _tokens(30, (1, B, T + 1))
+    state = sharding.shard_state(train.init_state(CONFIG, tcfg, jax.random.key(0)), mesh,
+                                 shard_optimizer=shard_optimizer)
+    state, m = step(state, batch[..., :-1], batch[..., 1:])
+    assert float(m["skipped"]) == 0.0
+    one = sharding.unshard_state(state)
+    wte = one.params["wte"].at[3, 5].set(jnp.nan)  # every later loss and gradient is NaN
+    one = jax.tree.map(np.asarray, one._replace(params={**one.params, "wte": wte}))
+    state = sharding.shard_state(one, mesh, shard_optimizer=shard_optimizer)
+    state, m = step(state, batch[..., :-1], batch[..., 1:])
+    assert np.isnan(float(m["loss"])) and float(m["skipped"]) == 1.0
+    after = sharding.unshard_state(state)
+    assert int(after.step) == 2
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after[1:]),
+                            jax.tree.leaves(one[1:])):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
 def test_init_sharded_state_is_init_state():

@@ -3,13 +3,14 @@
 "ffi" is `blujax.kernels`: our CPU/CUDA kernels as XLA custom calls. "xla" is the plain-JAX
 way of writing the same model, the baseline our kernels are measured against: the jnp ops of
 `blujax.kernels.xla`, which XLA fuses itself, except attention, which is
-`jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU for bfloat16, XLA's otherwise) —
-what a JAX user would reach for, rather than the float32-exact oracle of the spec.
+`jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU for bfloat16, XLA's otherwise
+and in XLA's deterministic mode) — what a JAX user would reach for, rather than the
+float32-exact oracle of the spec.
 """
 
 from __future__ import annotations
 
-import types
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,23 @@ NAMES = ("ffi", "xla")
 
 
 def _dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None = None):
-    impl = None
-    if q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
-        impl = "cudnn"
+    impl = None  # JAX's choice: cuDNN where it can, which the deterministic mode must avoid
+    if jax.default_backend() == "gpu":
+        if _deterministic():
+            impl = "xla"
+        elif q.dtype in (jnp.bfloat16, jnp.float16):
+            impl = "cudnn"
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                         implementation=impl)
+
+
+def _deterministic() -> bool:
+    """Whether XLA runs in its deterministic mode (--xla_gpu_deterministic_ops=true), where
+    cuDNN's fused attention does not compile (jax 0.11.2: "IndexError: raw_hash_map<>::at" in
+    the train step) and XLA's own attention, which is deterministic, stands in."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return any(f in ("--xla_gpu_deterministic_ops", "--xla_gpu_deterministic_ops=true")
+               for f in flags)
 
 
 def _add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5):
@@ -41,7 +54,22 @@ def _dot_product_attention_qkv(qkv, *, causal: bool = True, scale: float | None 
                                   scale=scale)
 
 
-XLA = types.SimpleNamespace(
+class Namespace:
+    """Ops as read-only attributes, as the module `blujax.kernels` holds them; hashed by
+    identity as a module is, since jitted functions take the namespace as a static argument
+    (a SimpleNamespace does not hash)."""
+
+    def __init__(self, **ops):
+        self.__dict__.update(ops)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"an ops namespace is read-only (setting {name!r})")
+
+    def __repr__(self):
+        return f"Namespace({', '.join(self.__dict__)})"
+
+
+XLA = Namespace(
     layer_norm=xla.layer_norm,
     add_layer_norm=_add_layer_norm,
     gelu=xla.gelu,

@@ -12,7 +12,7 @@ collective is explicit. Each device keeps its own copy of the parameters' gradie
 the micro-batches; then one all-reduce per leaf over the axes it is replicated on (or, with
 shard_optimizer, a reduce-scatter over "data" and the AdamW step on this device's piece,
 followed by an all-gather of the new parameters: ZeRO-1). Gradient clipping uses the norm over
-all devices.
+all devices; a non-finite loss or norm skips the update, as train.make_train_step does.
 
 The state keeps the params in the parallel layout (specs.py); `unshard_params` gives the
 model's layout back (for sampling, comparisons), `unshard_state` the whole TrainState's (for
@@ -105,7 +105,8 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
 
     state: from init_sharded_state / shard_state with the same shard_optimizer. inputs,
     targets: int32 [accum_steps, B, T], global; B divisible by "data", T by 2 x "context"
-    (when "context" > 1) and T / "context" by "tensor". metrics as train.make_train_step's.
+    (when "context" > 1) and T / "context" by "tensor". metrics as train.make_train_step's,
+    a step with a non-finite loss or gradient norm skipped as there.
 
     Two ways to hide communication (same values; parallel.py says how):
     collective_matmul: the tensor-parallel all-gathers and reduce-scatters as ppermute steps
@@ -128,16 +129,26 @@ def make_sharded_train_step(config: gpt2.GPT2Config, tcfg: train.TrainConfig, me
                                    targets, reduced=reduce_in_backward)
         grads = _reduce(grads, layout, reduced=reduce_in_backward)
         norm = _global_norm(grads, layout)
-        trigger = norm < tcfg.grad_clip  # optax.clip_by_global_norm, with the global norm
-        clipped = jax.tree.map(
-            lambda g: jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * tcfg.grad_clip),
-            grads)
+        value = jax.lax.psum(value, (DATA, CONTEXT))
+
+        def update(params, adam_state, grads):
+            if tcfg.grad_clip:  # optax.clip_by_global_norm, with the global norm; 0: none
+                trigger = norm < tcfg.grad_clip
+                grads = jax.tree.map(lambda g: jax.lax.select(
+                    trigger, g, (g / norm.astype(g.dtype)) * tcfg.grad_clip), grads)
+            updates, adam_state = adamw.update(grads, adam_state, params)
+            return optax.apply_updates(params, updates), adam_state
+
         clip_state, adam_state = state.opt_state  # train.make_optimizer's chain
-        params = _zero_pieces(state.params, layout)
-        updates, adam_state = adamw.update(clipped, adam_state, params)
-        params = _zero_gather(optax.apply_updates(params, updates), layout)
-        metrics = {"loss": jax.lax.psum(value, (DATA, CONTEXT)), "grad_norm": norm,
-                   "lr": lr_at(state.step).astype(jnp.float32)}
+        # The loss and norm are the same on every device, so every device takes the same branch
+        # (train.skip_unless); the all-gather stays outside the cond, and a skipped step
+        # gathers back the very pieces it cut.
+        finite = train.finite_step(value, norm)
+        params, adam_state = train.skip_unless(finite, update, _zero_pieces(state.params, layout),
+                                               adam_state, grads)
+        params = _zero_gather(params, layout)
+        metrics = {"loss": value, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
+                   "skipped": 1.0 - finite.astype(jnp.float32)}
         return train.TrainState(state.step + 1, params, (clip_state, adam_state)), metrics
 
     def step(state, inputs, targets):
