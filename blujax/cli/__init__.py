@@ -24,6 +24,7 @@ The modules, in the order a run uses them:
     corpus.py     the token shards --data names (text file, llm.c shards, default corpus)
     processes.py  several processes (hosts) in one run: starting them, keeping them in step
     run.py        the run folder: config.json and the checkpoints
+    lock.py       one run per folder: the lock on --out
     train.py      `train` and its loop
     report.py     metrics.jsonl, loss.png, the progress display, throughput and MFU
     generate.py   `eval` and `sample`
@@ -38,7 +39,7 @@ from blujax.cli.generate import cmd_eval, cmd_sample
 from blujax.cli.parser import build_parser
 from blujax.cli.settings import UsageError
 from blujax.cli.train import cmd_train
-from blujax.data import ShardError
+from blujax.data import DataError
 
 EXIT_USAGE = 2
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
@@ -52,6 +53,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, ShardError, CheckpointError) as e:
+    except (UsageError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax import data, sample
+from blujax.cli import report
 from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.run import load_run, restore_latest
-from blujax.cli.settings import TrainSettings, UsageError, model_preset, training_config
+from blujax.cli.settings import (TrainSettings, UsageError, check_number, model_preset,
+                                 training_config)
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
 
@@ -42,7 +44,7 @@ def cmd_eval(args) -> int:
     if not batches:
         raise UsageError(f"the validation split of {source.description} is too short for one "
                          f"sequence of {s.seq} tokens")
-    restored = restore_latest(out, s, ops)
+    restored = restore_latest(out, s, ops, params_only=True, warn=report.warn)
     eval_step = make_eval_step(model_config, training_config(s), ops=ops)
     params = restored.tree["params"]
     loss = float(np.mean(jax.device_get([eval_step(params, x, y) for x, y in batches])))
@@ -62,8 +64,7 @@ def cmd_sample(args) -> int:
         raise UsageError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    check_number("--temperature", args.temperature, low=0)
     if not 0 <= args.top_k <= model_config.vocab_size:
         raise UsageError(f"--top-k must lie in [0, {model_config.vocab_size}], got {args.top_k}")
     top_k = args.top_k or None
@@ -74,7 +75,7 @@ def cmd_sample(args) -> int:
         raise UsageError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's block_size "
                          f"({model_config.block_size})")
-    restored = restore_latest(out, s, ops)
+    restored = restore_latest(out, s, ops, params_only=True, warn=report.warn)
     texts = generate_text(restored.tree["params"], model_config, ops, s.dtype, args.prompt,
                           key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=top_k,

@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help=f"model preset: {', '.join(_preset_names())} "
                                    f"(default: {both('model')})")
     t.add_argument("--steps", type=int, help=f"optimizer steps; the learning-rate schedule "
-                                             f"spans them (default: {both('steps')})")
+                                             f"spans them. With --resume, a new count extends "
+                                             f"the run (its schedule then spans the new count "
+                                             f"from the checkpoint on; --stop-after keeps it) "
+                                             f"(default: {both('steps')})")
     t.add_argument("--batch", type=int,
                    help=f"sequences per optimizer step, over all micro-batches (default: "
                         f"{both('batch')})")
@@ -54,15 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compute dtype; parameters stay float32 (default: {both('dtype')})")
     t.add_argument("--seed", type=int, help="seed of the initialization, the data order and "
                                             "the samples (default: 0)")
-    t.add_argument("--lr", type=float, help=f"peak learning rate (default: {both('lr')})")
+    t.add_argument("--lr", type=float, help=f"peak learning rate, > 0 (default: {both('lr')})")
     t.add_argument("--min-lr-ratio", type=float,
-                   help="the cosine decay ends at lr times this (default: 0.1)")
+                   help="the cosine decay ends at lr times this, in [0, 1] (default: 0.1)")
     t.add_argument("--warmup", type=int,
                    help="linear warmup steps (default: a tenth of --steps)")
     t.add_argument("--weight-decay", type=float,
-                   help="AdamW weight decay of matrices and embeddings (default: 0.1)")
+                   help="AdamW weight decay of matrices and embeddings, >= 0 (default: 0.1)")
     t.add_argument("--grad-clip", type=float,
-                   help="clip the gradient's global norm to this (default: 1.0)")
+                   help="clip the gradient's global norm to this; 0: no clipping "
+                        "(default: 1.0)")
     t.add_argument("--remat", action="store_const", const=True,
                    help="recompute each block's activations in the backward pass: less "
                         "memory, more compute (default: off)")

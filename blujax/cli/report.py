@@ -10,10 +10,38 @@ import sys
 from pathlib import Path
 
 
-def read_metrics(path: Path) -> list[dict]:
+def warn(text: str):
+    """A warning line, on stderr, at once."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class MetricsError(ValueError):
+    """metrics.jsonl is damaged other than by a torn last line."""
+
+
+def read_metrics(path: Path, warn=None) -> list[dict]:
+    """The records of metrics.jsonl. A last line cut short (a crash in the middle of writing
+    it) is dropped, with a line to `warn`; a bad line before the last is a MetricsError."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text(errors="replace").splitlines(),
+                                                1) if line.strip()]
+    records = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a step's record")
+        except ValueError as e:
+            if n < len(lines) - 1:
+                raise MetricsError(f"{path}, line {i}: not a step's JSON record ({e}); only "
+                                   f"the last line may be torn") from None
+            if warn is not None:
+                warn(f"warning: {path}: the last line (line {i}) is torn (a run stopped while "
+                     f"writing it): dropped")
+            break
+        records.append(record)
+    return records
 
 
 def write_metrics(path: Path, records: list[dict]):

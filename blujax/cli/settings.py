@@ -7,6 +7,7 @@ raises.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -94,7 +95,10 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
              if getattr(args, f.name, None) is not None}
     if saved is not None:
         old = saved["settings"]
-        changed = [k for k in COMPUTE_KEYS if k in given and given[k] != old[k]]
+        # --steps may change: it extends (or shortens) the run, whose learning-rate schedule
+        # then spans the new count (cmd_train says so and records it).
+        changed = [k for k in COMPUTE_KEYS if k in given and given[k] != old[k]
+                   and k != "steps"]
         if changed:
             raise UsageError(
                 "--resume continues a run with the settings it started with, and these "
@@ -128,8 +132,10 @@ def check_settings(s: TrainSettings, model_config: gpt2.GPT2Config):
     for name in ("warmup", "eval_every", "save_every", "sample_tokens"):
         if getattr(s, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
-    if not s.lr > 0:
-        raise UsageError(f"--lr must be positive, got {s.lr}")
+    check_number("--lr", s.lr, low=0, low_open=True)
+    check_number("--min-lr-ratio", s.min_lr_ratio, low=0, high=1)
+    check_number("--weight-decay", s.weight_decay, low=0)
+    check_number("--grad-clip", s.grad_clip, low=0, why=" (0: no clipping)")
     if s.seq > model_config.block_size:
         raise UsageError(f"--seq {s.seq} is longer than the model's block_size "
                          f"({model_config.block_size} for {s.model})")
@@ -141,6 +147,18 @@ def check_settings(s: TrainSettings, model_config: gpt2.GPT2Config):
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_parallel(s, model_config)
+
+
+def check_number(flag: str, value: float, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, why: str = ""):
+    """A float flag must be finite (argparse takes "inf" and "nan") and within its bounds."""
+    if not math.isfinite(value):
+        raise UsageError(f"{flag} must be a finite number, got {value}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise UsageError(f"{flag} must be {'>' if low_open else '>='} {low:g}{why}, got "
+                         f"{value:g}")
+    if high is not None and value > high:
+        raise UsageError(f"{flag} must be <= {high:g}, got {value:g}")
 
 
 def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):

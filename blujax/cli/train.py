@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import signal
 import sys
 import threading
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from blujax import data, sharding
 from blujax.checkpoint import Checkpointer
 from blujax.cli import processes, report, run
+from blujax.cli.lock import RunLock
 from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.generate import encode, generate_text
 from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
@@ -32,7 +32,8 @@ from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, Us
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from blujax.sharding.mesh import check_batch, mesh_sizes
-from blujax.train import TrainState, init_state, make_eval_step, make_train_step, peak_flops
+from blujax.train import (TrainState, init_state, make_eval_step, make_train_step,
+                          peak_flops, schedule)
 
 EXIT_INTERRUPTED = 130
 
@@ -41,12 +42,21 @@ def cmd_train(args) -> int:
     # First of all: with several processes, jax.distributed must start before anything asks
     # JAX for its devices (the settings' defaults do).
     procs = processes.start(args)
+    with contextlib.ExitStack() as held:  # the run folder's lock, until the command ends
+        return _train(args, procs, held)
+
+
+def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
     out = Path(args.out)
     progress = not args.no_progress and procs.lead
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: pick one")
     source = None
     with procs.together():
+        # One run per folder (the other processes share the lead's); a --resume of a folder
+        # that is not there fails below without making it.
+        if procs.lead and not (args.resume and not out.is_dir()):
+            held.enter_context(RunLock(out))
         saved = run.load_run(out) if args.resume else None
         s = resolve_train_settings(args, saved)
         model_config = model_preset(s.model)
@@ -66,7 +76,12 @@ def cmd_train(args) -> int:
         if source is None:  # the other processes, from the lead's cache
             source = resolve_data(s.data, progress=False)
         counts = [data.read_header(p) for p in source.train]
-        loader = _open_loader(s, source, counts, saved)
+        loader = held.enter_context(_open_loader(s, source, counts, saved))
+        # Every shard's tokens, before step 1: a bad token hours into a run would stop it
+        # where nothing can be done about it.
+        if procs.lead and len(counts) > 4:
+            print(f"checking the tokens of {len(counts)} training shards", flush=True)
+        loader.check_all()
         fingerprint = loader.state()["shards"]
         val = val_batches(source, s.batch, s.seq, s.eval_batches, s.dp) if s.eval_every else []
 
@@ -77,14 +92,28 @@ def cmd_train(args) -> int:
         mesh = (sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices) if len(devices) > 1
                 else None)
         if mesh is not None and val:
-            _check_val_batches(val, mesh, model_config, loader)
+            _check_val_batches(val, mesh, model_config)
+        warn = report.warn if procs.lead else None
         if args.resume:
-            restored = run.restore_latest(out, s, ops)
+            restored = run.restore_latest(out, s, ops, warn=warn)
             try:
                 loader.load_state(restored.loader)
             except ValueError as e:
-                loader.close()
                 raise UsageError(f"--resume: {e}") from None
+            extension = _extension(saved, s, restored.step)
+            try:  # steps after the checkpoint were lost with the run that made them
+                records = [r for r in report.read_metrics(out / "metrics.jsonl", warn)
+                           if r["step"] <= restored.step]
+            except report.MetricsError as e:
+                raise UsageError(str(e)) from None
+        # Process 0 alone writes checkpoints; the others only take part in gathering them.
+        # Whether it can is found out now, not at the first save.
+        checkpointer = None
+        if procs.lead:
+            if not args.resume:
+                run.clear_run(out)
+            checkpointer = held.enter_context(Checkpointer(run.checkpoint_dir(out), keep=3))
+            checkpointer.check_writable()
     if args.resume:
         procs.same(restored.step, "the checkpoint to resume from (--out must be one folder "
                                   "that every process sees)")
@@ -99,10 +128,9 @@ def cmd_train(args) -> int:
             state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
         if procs.lead:
             _note_mesh_change(saved["settings"], s)
+            if extension:
+                _note_extension(extension, saved, s)
         sample_key = tree["sample_key"]
-        # Steps after the checkpoint were lost with the run that made them: they run again.
-        records = [r for r in report.read_metrics(out / "metrics.jsonl")
-                   if r["step"] <= restored.step]
     else:
         if mesh is None:
             state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
@@ -112,11 +140,11 @@ def cmd_train(args) -> int:
                                                 shard_optimizer=s.zero)
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
-        if procs.lead:
-            run.clear_run(out)
 
     config = run.describe_run(s, model_config, train_config, state.params, source, sum(counts),
                               fingerprint, len(devices), procs.count)
+    if args.resume:
+        config["extensions"] = saved.get("extensions", []) + ([extension] if extension else [])
     device = devices[0]
     where = f"{device.device_kind} ({device.platform})"
     if mesh is not None:
@@ -124,9 +152,11 @@ def cmd_train(args) -> int:
                  + (f" in {procs.count} processes" if procs.count > 1 else "")
                  + f", dp {s.dp} x tp {s.tp} x cp {s.cp}" + (", ZeRO-1" if s.zero else ""))
     if procs.lead:
-        out.mkdir(parents=True, exist_ok=True)
-        run.write_json(run.config_path(out), config)
-        report.write_metrics(out / "metrics.jsonl", records)
+        try:
+            run.write_json(run.config_path(out), config)
+            report.write_metrics(out / "metrics.jsonl", records)
+        except OSError as e:
+            raise UsageError(f"cannot write in {out}: {e}") from None
         print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} "
               f"ops, {s.dtype}, on {where}; data: {source.description}, {sum(counts):,} "
               f"training tokens; {s.batch} x {s.seq} tokens per step"
@@ -138,21 +168,22 @@ def cmd_train(args) -> int:
     loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh, procs,
                       peak=peak and peak * len(devices),
                       flops_per_token=gpt2.flops_per_token(model_config, s.seq))
-    # Process 0 alone writes checkpoints; the others only take part in gathering them.
-    writer = (Checkpointer(run.checkpoint_dir(out), keep=3) if procs.lead
-              else contextlib.nullcontext())
-    with writer as checkpointer, loader:
-        state, interrupted = loop.train(state, sample_key, loader, val, checkpointer,
-                                        stop_after, args.profile)
+    with procs.fail_fast():  # an error on one process stops all of them
+        state, stopped = loop.train(state, sample_key, loader, val, checkpointer, stop_after,
+                                    args.profile)
+        if checkpointer is not None:
+            checkpointer.wait()  # the last save's error, if any, is this command's
     if procs.lead:
         report.plot_losses(records, out / "loss.png", report.plot_title(s, model_config))
     last = int(state.step)
+    if stopped is not None and stopped.error is not None:
+        raise stopped.error
     if last < s.steps:
         if procs.lead:
             print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
                   f"{run.checkpoint_dir(out)}. Continue with: train --resume --out {out}",
                   flush=True)
-        return EXIT_INTERRUPTED if interrupted else 0
+        return EXIT_INTERRUPTED if stopped is not None else 0
     if procs.lead:
         _print_summary(records, last, out)
     if s.sample_tokens:
@@ -165,6 +196,31 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _extension(saved: dict, s: TrainSettings, at_step: int) -> dict | None:
+    """A resumed run given another --steps: the record config.json keeps of it (None if
+    --steps is the run's). It must leave steps to train after the checkpoint."""
+    before = saved["settings"]["steps"]
+    if s.steps == before:
+        return None
+    if s.steps <= at_step:
+        raise UsageError(f"--resume --steps {s.steps}: the run is already at step {at_step} "
+                         f"(of {before}); give more steps than that to extend it")
+    return {"at_step": at_step, "steps_before": before, "steps_after": s.steps}
+
+
+def _note_extension(extension: dict, saved: dict, s: TrainSettings):
+    """Says what a new --steps does to the learning-rate schedule, which spans --steps."""
+    at, before = extension["at_step"], extension["steps_before"]
+    old = schedule(dataclasses.replace(training_config(s), steps=before))
+    new = schedule(training_config(s))
+    # Step k's learning rate is the schedule's at k - 1 (steps taken before it).
+    print(f"note: --steps {s.steps} {'extends' if s.steps > before else 'shortens'} the run "
+          f"from {before} steps: the learning-rate schedule (warmup {s.warmup}, cosine decay "
+          f"to {s.min_lr_ratio:g} x lr) now spans {s.steps} steps, so step {at + 1} trains at "
+          f"lr {float(new(at)):.3g} where the run's schedule had {float(old(at)):.3g}; "
+          f"config.json records the change", flush=True)
+
+
 def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
                       lead: bool = True) -> bool:
     """Whether there is training to do in `out`: resuming, a checkpoint to continue from that
@@ -175,6 +231,9 @@ def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
         if not existing:
             raise UsageError(f"--resume: {out} holds no checkpoint to continue from (nothing "
                              f"in {run.checkpoint_dir(out)})")
+        if args.steps is not None and existing[-1] >= s.steps:
+            # A --steps that extends nothing: not the run's own count, or one already reached.
+            _extension(run.load_run(out), s, existing[-1])
         if existing[-1] >= stop_after:
             if lead:
                 print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); "
@@ -206,13 +265,12 @@ def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None
     return loader
 
 
-def _check_val_batches(val, mesh, model_config, loader):
+def _check_val_batches(val, mesh, model_config):
     """The validation batches split over the mesh (the last may have fewer rows)."""
     for shape in {x.shape for x, _ in val}:
         try:
             check_batch(shape, mesh_sizes(mesh), model_config)
         except ValueError as e:
-            loader.close()
             raise UsageError(f"validation batches of {shape[0]} x {shape[1]} tokens: "
                              f"{str(e).removeprefix('blujax.sharding: ')}") from None
 
@@ -248,6 +306,14 @@ def _write_samples(s: TrainSettings, model_config, ops, params, sample_key, out:
         print(f"--- sample {i + 1} ---\n{t}")
 
 
+@dataclasses.dataclass
+class _Stopped:
+    """Why a run ended before --stop-after: a signal (error None) or a fault (its error, to
+    raise once the run's files are written)."""
+
+    error: Exception | None = None
+
+
 class _StopRequest:
     """SIGINT / SIGTERM ask the loop to stop after the step under way and save a checkpoint;
     a second Ctrl-C stops at once."""
@@ -279,6 +345,8 @@ class _TrainLoop:
     the profile and the progress display around the jitted train step."""
 
     PROFILE_AFTER, PROFILE_STEPS = 3, 3
+    # Non-finite steps in a row (each skipped by the train step) after which the run stops.
+    MAX_NONFINITE = 10
     # With several processes, how often they agree whether a signal asked for a stop.
     STOP_POLL = 10
 
@@ -303,12 +371,14 @@ class _TrainLoop:
         self.throughput = report.Throughput()
 
     def train(self, state, sample_key, loader, val_batches, checkpointer, stop_after, profile):
-        """Steps from state.step up to stop_after; returns the last state and whether a
-        signal stopped it early. checkpointer: None on the processes that do not write."""
+        """Steps from state.step up to stop_after; returns the last state and a _Stopped if
+        the run ended early (a signal, or a fault: its error is then set, and a checkpoint of
+        the state was saved first). checkpointer: None on the processes that do not write."""
         s = self.s
         start = int(state.step)
         bar = report.Progress(start, s.steps, self.progress, every=max(1, s.steps // 20))
         self.bar = bar
+        self.nonfinite = []  # the steps of the current run of non-finite steps
         trace = range(start + self.PROFILE_AFTER, start + self.PROFILE_AFTER + self.PROFILE_STEPS)
         if profile and trace.stop > stop_after:
             self._note(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
@@ -317,16 +387,39 @@ class _TrainLoop:
         micro = s.batch // s.accum
         pending = None     # (step, metrics): dispatched, not read back yet
         timed = False      # the first step of a process compiles: it is not timed
-        interrupted = False
+        stopped = None     # a _Stopped, once the run ends early
+
+        def save(step):
+            # In the single-device layout, whatever the mesh; gathered on every process,
+            # written by one.
+            saved = state if self.mesh is None else sharding.unshard_state(state)
+            if checkpointer is not None:
+                checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
+                                  loader=loader.state(), config=dataclasses.asdict(s))
+
         try:
             with _StopRequest() as stop:
                 t_ref = time.perf_counter()
                 for index in range(start, stop_after):
                     step = index + 1
-                    # The whole batch, on every process: each puts in the pieces its devices
-                    # hold, which are not a slice of rows per process once "tensor" or
-                    # "context" spans processes (or "data" does not).
-                    batch = next(loader)  # the loader never writes these arrays again
+                    if checkpointer is not None:
+                        checkpointer.raise_if_failed()  # a failed save stops the run now
+                    try:
+                        # The whole batch, on every process: each puts in the pieces its
+                        # devices hold, which are not a slice of rows per process once
+                        # "tensor" or "context" spans processes (or "data" does not).
+                        batch = next(loader)  # the loader never writes these arrays again
+                    except data.DataError as e:
+                        # Unreadable data (a shard changed since it was checked): keep what
+                        # is trained, then stop.
+                        if pending is not None:
+                            self._log(self._finish(*pending, t_ref, timed)[0])
+                            pending = None
+                        save(index)
+                        stopped = _Stopped(data.DataError(
+                            f"{e}; stopped before step {step}, with a checkpoint of step "
+                            f"{index} in {run.checkpoint_dir(self.out)}"))
+                        break
                     inputs = self.procs.global_array(batch.inputs.reshape(s.accum, micro, -1),
                                                      self.batch_sharding)
                     targets = self.procs.global_array(
@@ -335,46 +428,53 @@ class _TrainLoop:
                     if profile and index == trace.start and self.procs.lead:
                         jax.profiler.start_trace(str(profile))
                     state, metrics = self.train_step(state, inputs, targets)
+                    diverged = False
                     if pending is not None:  # read the previous step while this one runs
                         record, t_ref = self._finish(*pending, t_ref, timed)
                         timed = True
                         self._log(record)
+                        diverged = self._diverged(record)
                     pending = (step, metrics)
                     eval_due = bool(val_batches) and (step % s.eval_every == 0
                                                       or step == s.steps)
                     save_due = bool(s.save_every) and step % s.save_every == 0
                     stopping = self._stop_agreed(stop.requested, step)
-                    last = step == stop_after or stopping
+                    last = step == stop_after or stopping or diverged
                     trace_end = bool(profile) and step == trace.stop
                     if not (eval_due or save_due or last or trace_end):
                         continue
                     record, _ = self._finish(*pending, t_ref, timed)
                     pending, timed = None, True
+                    diverged = self._diverged(record) or diverged
                     if trace_end and self.procs.lead:
                         jax.profiler.stop_trace()
                         self._note(f"profile of steps {trace.start + 1}-{step} written to "
                                    f"{profile}")
-                    if eval_due:
+                    if eval_due and not diverged:
                         record["val_loss"] = self._evaluate(state.params, val_batches)
                     self._log(record)
                     if eval_due and self.procs.lead:
                         report.plot_losses(self.records, self.out / "loss.png",
                                            report.plot_title(s, self.model_config))
-                    if save_due or last:
-                        # In the single-device layout, whatever the mesh; gathered on every
-                        # process, written by one.
-                        saved = state if self.mesh is None else sharding.unshard_state(state)
-                        if checkpointer is not None:
-                            checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
-                                              loader=loader.state(),
-                                              config=dataclasses.asdict(s))
+                    if save_due or last or diverged:
+                        save(step)
+                    if diverged:
+                        first, n = self.diverged_steps[0], len(self.diverged_steps)
+                        stopped = _Stopped(UsageError(
+                            f"the loss or gradient norm was not finite in {n} steps in a row "
+                            f"(steps {first}-{step}; none of them updated the parameters): "
+                            f"stopped, with a checkpoint of step {step} in "
+                            f"{run.checkpoint_dir(self.out)} whose parameters are step "
+                            f"{first - 1}'s; a lower --lr or a longer --warmup may help"))
+                        break
                     if stopping:
-                        interrupted = step < stop_after
+                        if step < stop_after:
+                            stopped = _Stopped()
                         break
                     t_ref = time.perf_counter()  # evaluating and saving are not step time
         finally:
             bar.close()
-        return state, interrupted
+        return state, stopped
 
     def _finish(self, step, metrics, t_ref, timed):
         """Reads back a step's metrics (waiting for the step to end); its record, and the
@@ -387,10 +487,25 @@ class _TrainLoop:
             self.throughput.add(seconds)
         record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                   "tokens_per_s": rate, "step_time_s": seconds,
-                  "mfu": report.mfu(rate, self.flops_per_token, self.peak)}
-        if not math.isfinite(m["loss"]):
-            self._note(f"warning: the loss of step {step} is {m['loss']}")
+                  "mfu": report.mfu(rate, self.flops_per_token, self.peak),
+                  "skipped": bool(m.get("skipped", 0.0))}
         return record, now
+
+    def _diverged(self, record) -> bool:
+        """Counts the run of skipped (non-finite) steps; whether it reached MAX_NONFINITE."""
+        if not record["skipped"]:
+            self.nonfinite = []
+            return False
+        self.nonfinite.append(record["step"])
+        if len(self.nonfinite) == 1:  # once a run of them: metrics.jsonl marks each
+            self._note(f"warning: step {record['step']}: loss {record['loss']}, gradient norm "
+                       f"{record['grad_norm']}: not finite, so the step was skipped (the "
+                       f"parameters were not updated); {self.MAX_NONFINITE} in a row stop "
+                       f"the run")
+        if len(self.nonfinite) < self.MAX_NONFINITE:
+            return False
+        self.diverged_steps = list(self.nonfinite)
+        return True
 
     def _note(self, text: str):
         if self.procs.lead:
@@ -412,6 +527,10 @@ class _TrainLoop:
     def _log(self, record):
         self.records.append(record)
         if self.procs.lead:
-            report.append_metrics(self.out / "metrics.jsonl", record)
+            path = self.out / "metrics.jsonl"
+            try:
+                report.append_metrics(path, record)
+            except OSError as e:
+                raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
         rate = self.throughput.tokens_per_s(self.tokens_per_step)
         self.bar.update(record, report.mfu(rate, self.flops_per_token, self.peak), rate)
