@@ -24,6 +24,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from blujax.kernels._util import match_vma
 
@@ -264,3 +265,253 @@ def _block(layer, s, d, d_bias, *, n_head, ops, attend, par=ONE_DEVICE):
     f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])
     m = par.matmul_reduce(f, layer["mlp_proj"]["w"])
     return s, m, match_vma(layer["mlp_proj"]["b"], m)[0], kv
+
+
+# --------------------------------------------------------------------------------------------
+# Other tools' layouts: Hugging Face's GPT2LMHeadModel and llm.c's model file. Pure functions
+# between our params and named numpy arrays; the files are read and written by blujax.interop.
+# They raise ValueError with a one-line message for what our model cannot represent.
+#
+# transformers keeps one tensor per layer ("h.{i}.attn.c_attn.weight") and its Conv1D weights
+# are (in, out), as ours. llm.c stacks each kind over the layers, as we do, in torch Linear's
+# (out, in). Both keep the vocabulary unpadded in their config; llm.c pads the file's rows.
+
+# Our GELU is the tanh approximation; transformers has it under these two names.
+HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+# The eps every LayerNorm of `forward` uses (the kernels' default).
+LAYER_NORM_EPS = 1e-5
+GPT2_VOCAB_SIZE = 50257
+GPT2_EOT = 50256
+
+# Our (sublayer, leaf) -> transformers' name inside "h.{i}.".
+_HF_LAYER = {
+    ("ln1", "w"): "ln_1.weight", ("ln1", "b"): "ln_1.bias",
+    ("attn", "w"): "attn.c_attn.weight", ("attn", "b"): "attn.c_attn.bias",
+    ("attn_proj", "w"): "attn.c_proj.weight", ("attn_proj", "b"): "attn.c_proj.bias",
+    ("ln2", "w"): "ln_2.weight", ("ln2", "b"): "ln_2.bias",
+    ("mlp_fc", "w"): "mlp.c_fc.weight", ("mlp_fc", "b"): "mlp.c_fc.bias",
+    ("mlp_proj", "w"): "mlp.c_proj.weight", ("mlp_proj", "b"): "mlp.c_proj.bias",
+}
+# llm.c's parameter order (train_gpt2.c: fill_in_parameter_sizes) as paths into our params;
+# its matrices are transposed against ours.
+_LLMC_ORDER = (
+    ("wte",), ("wpe",),
+    *(("blocks", sub, leaf) for sub, leaf in (
+        ("ln1", "w"), ("ln1", "b"), ("attn", "w"), ("attn", "b"), ("attn_proj", "w"),
+        ("attn_proj", "b"), ("ln2", "w"), ("ln2", "b"), ("mlp_fc", "w"), ("mlp_fc", "b"),
+        ("mlp_proj", "w"), ("mlp_proj", "b"))),
+    ("ln_f", "w"), ("ln_f", "b"),
+)
+
+
+def padded_vocab(vocab_size: int, multiple: int = 128) -> int:
+    """The vocabulary rounded up to a multiple of 128, as ours and llm.c's (50257 -> 50304)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def config_from_hf(hf: dict) -> GPT2Config:
+    """Our config from a transformers GPT2Config dict (config.json); ValueError for a field our
+    model cannot honour."""
+    act = hf.get("activation_function", "gelu_new")
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"activation_function {act!r} is not supported: blujax's GELU is the "
+                         f"tanh approximation ({' or '.join(HF_ACTIVATIONS)})")
+    eps = hf.get("layer_norm_epsilon", LAYER_NORM_EPS)
+    if eps != LAYER_NORM_EPS:
+        raise ValueError(f"layer_norm_epsilon {eps!r} is not supported: blujax's LayerNorm "
+                         f"uses {LAYER_NORM_EPS}")
+    for key, ours in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+        if bool(hf.get(key, ours)) != ours:
+            raise ValueError(f"{key} = {hf.get(key)!r} is not supported (blujax's GPT-2 has "
+                             f"{key} = {ours})")
+    for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
+            raise ValueError(f"{key} must be an int, got {hf.get(key)!r}")
+    inner = hf.get("n_inner")
+    if inner is not None and inner != 4 * hf["n_embd"]:
+        raise ValueError(f"n_inner {inner!r} is not supported: blujax's MLP is 4 * n_embd "
+                         f"({4 * hf['n_embd']}) wide")
+    if hf.get("tie_word_embeddings", True) is False:
+        raise ValueError("tie_word_embeddings is false: blujax ties the LM head to the token "
+                         "embedding")
+    return GPT2Config(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                      block_size=hf["n_positions"], vocab_size=hf["vocab_size"],
+                      padded_vocab_size=padded_vocab(hf["vocab_size"]))
+
+
+def hf_config(config: GPT2Config) -> dict:
+    """config.json for transformers' GPT2LMHeadModel holding our model (the vocabulary
+    unpadded)."""
+    gpt2_vocab = config.vocab_size == GPT2_VOCAB_SIZE
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": LAYER_NORM_EPS,
+        # Ours trains without dropout; so does the exported model, unless a user sets these.
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": GPT2_EOT if gpt2_vocab else None,
+        "eos_token_id": GPT2_EOT if gpt2_vocab else None,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_tensor_names(config: GPT2Config) -> list[str]:
+    """GPT2LMHeadModel's parameter names (without the "transformer." prefix), ours all."""
+    layer = [f"h.{i}.{name}" for i in range(config.n_layer) for name in _HF_LAYER.values()]
+    return ["wte.weight", "wpe.weight", *layer, "ln_f.weight", "ln_f.bias"]
+
+
+def to_hf(params, config: GPT2Config) -> dict:
+    """Our params as GPT2LMHeadModel's state dict, float32 numpy, keyed as save_pretrained
+    keys them ("transformer.h.0.ln_1.weight"; the tied lm_head.weight left out, as it does)."""
+    p = _numpy(params, config)
+    out = {"wte.weight": p["wte"][:config.vocab_size], "wpe.weight": p["wpe"],
+           "ln_f.weight": p["ln_f"]["w"], "ln_f.bias": p["ln_f"]["b"]}
+    for (sub, leaf), name in _HF_LAYER.items():
+        for i in range(config.n_layer):
+            out[f"h.{i}.{name}"] = p["blocks"][sub][leaf][i]
+    return {f"transformer.{k}": np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _hf_buffer(name: str) -> bool:
+    # The causal mask transformers once saved with the weights; not a parameter.
+    parts = name.split(".")
+    return (len(parts) == 4 and parts[0] == "h" and parts[2] == "attn"
+            and parts[3] in ("bias", "masked_bias"))
+
+
+def from_hf(tensors: dict, config: GPT2Config) -> dict:
+    """Our params (float32 numpy, padded rows zero) from GPT2LMHeadModel's tensors, named with or
+    without the "transformer." prefix. Buffers (attn.bias, attn.masked_bias) are ignored; a
+    lm_head.weight must equal the embedding (ours is tied)."""
+    t = {}
+    for key, value in tensors.items():
+        name = key.removeprefix("transformer.")
+        if name in t:
+            raise ValueError(f"tensor {name} appears both with and without 'transformer.'")
+        if not _hf_buffer(name):
+            t[name] = value
+    expected = {"wte.weight": (config.vocab_size, config.n_embd),
+                "wpe.weight": (config.block_size, config.n_embd)}
+    want = _shapes(config)
+    for (sub, leaf), name in _HF_LAYER.items():
+        for i in range(config.n_layer):
+            expected[f"h.{i}.{name}"] = want["blocks"][sub][leaf][1:]
+    expected["ln_f.weight"] = expected["ln_f.bias"] = (config.n_embd,)
+    head = t.pop("lm_head.weight", None)
+    for name in expected:
+        if name not in t:
+            raise ValueError(f"tensor {name} is missing")
+    for name in t:
+        if name not in expected:
+            raise ValueError(f"unexpected tensor {name}: not part of GPT2LMHeadModel as "
+                             f"blujax reads it")
+    for name, shape in expected.items():
+        if tuple(t[name].shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(t[name].shape)}, but the config "
+                             f"implies {shape}")
+    t = {k: np.asarray(v, dtype=np.float32) for k, v in t.items()}
+    if head is not None and not np.array_equal(np.asarray(head, np.float32), t["wte.weight"]):
+        raise ValueError("lm_head.weight differs from wte.weight (an untied LM head): blujax "
+                         "ties the head to the token embedding")
+    wte = np.zeros((config.padded_vocab_size, config.n_embd), np.float32)
+    wte[:config.vocab_size] = t["wte.weight"]
+    blocks = {sub: {} for sub, _ in _HF_LAYER}
+    for (sub, leaf), name in _HF_LAYER.items():
+        blocks[sub][leaf] = np.stack([t[f"h.{i}.{name}"] for i in range(config.n_layer)])
+    return {"wte": wte, "wpe": t["wpe.weight"], "blocks": blocks,
+            "ln_f": {"w": t["ln_f.weight"], "b": t["ln_f.bias"]}}
+
+
+def llmc_shapes(config: GPT2Config) -> list[tuple[int, ...]]:
+    """The shapes of llm.c's 16 parameter tensors, in its order (wte has padded_vocab_size
+    rows)."""
+    want = _shapes(config)
+    return [_llmc_layout(_at(want, path)) for path in _LLMC_ORDER]
+
+
+def _llmc_layout(x):
+    """A stacked matrix (L, in, out) as llm.c's (L, out, in) (its own inverse); others as are."""
+    if isinstance(x, tuple):
+        return (x[0], x[2], x[1]) if len(x) == 3 else x
+    return np.ascontiguousarray(x.transpose(0, 2, 1)) if x.ndim == 3 else x
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def to_llmc(params, config: GPT2Config) -> list:
+    """Our params as llm.c's 16 tensors in its order: float32 numpy, matrices (out, in), the
+    embedding with its padded_vocab_size rows."""
+    p = _numpy(params, config)
+    return [np.ascontiguousarray(_llmc_layout(_at(p, path))) for path in _LLMC_ORDER]
+
+
+def from_llmc(arrays, config: GPT2Config) -> dict:
+    """Our params from llm.c's 16 tensors in its order (see `llmc_shapes`; its embedding may be
+    padded to any number of rows >= vocab_size: the rows past vocab_size are dropped and ours
+    padded with zeros)."""
+    arrays = list(arrays)
+    shapes = llmc_shapes(config)
+    if len(arrays) != len(shapes):
+        raise ValueError(f"llm.c's GPT-2 has {len(shapes)} tensors, got {len(arrays)}")
+    params = {}
+    for path, x, shape in zip(_LLMC_ORDER, arrays, shapes):
+        x = np.asarray(x, np.float32)
+        if path == ("wte",):
+            if x.ndim != 2 or x.shape[0] < config.vocab_size or x.shape[1] != config.n_embd:
+                raise ValueError(f"wte has shape {x.shape}, expected (>= {config.vocab_size}, "
+                                 f"{config.n_embd})")
+            x, rows = np.zeros(shape, np.float32), x
+            x[:config.vocab_size] = rows[:config.vocab_size]
+        elif x.shape != shape:
+            raise ValueError(f"{'.'.join(path)} has shape {x.shape}, expected {shape}")
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _llmc_layout(x)
+    return params
+
+
+def _shapes(config: GPT2Config) -> dict:
+    """Our parameter shapes, as `init` makes them."""
+    return jax.tree.map(lambda x: tuple(x.shape),
+                        jax.eval_shape(lambda k: init(config, k), jax.random.key(0)))
+
+
+def _numpy(params, config: GPT2Config) -> dict:
+    """params as float32 numpy, checked against config's shapes."""
+    want = jax.tree_util.tree_flatten_with_path(_shapes(config), is_leaf=_is_shape)[0]
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    if [k for k, _ in got] != [k for k, _ in want]:
+        raise ValueError(f"the params are not GPT-2's: their leaves are "
+                         f"{[jax.tree_util.keystr(k) for k, _ in got]}")
+    for (path, x), (_, shape) in zip(got, want):
+        if tuple(np.shape(x)) != shape:
+            raise ValueError(f"params{jax.tree_util.keystr(path)} has shape {np.shape(x)}, "
+                             f"but the config implies {shape}")
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+
+
+def _is_shape(x):
+    return isinstance(x, tuple)

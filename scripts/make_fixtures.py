@@ -1,0 +1,146 @@
+"""Reference outputs of transformers' GPT-2, so CI checks blujax against it without installing it.
+
+    python scripts/make_fixtures.py --out tests/fixtures/hf_gpt2_tiny
+        # a small random GPT2LMHeadModel (save_pretrained), its logits and loss on fixed tokens
+    python scripts/make_fixtures.py --check-export DIR --expected FILE.npz [--atol 1e-4]
+        # GPT2LMHeadModel.from_pretrained(DIR) (a folder blujax.interop.export_hf wrote) on
+        # FILE.npz's `tokens` (int [B, T]): its logits against FILE.npz's `logits` ([B, T, V],
+        # or our padded vocabulary, whose extra columns are ignored), the max |difference|
+        # printed; exit status 1 above --atol. A tokenizer in DIR is loaded and tried too.
+
+Needs torch and transformers (the GPU machine has them; blujax itself does not). Deterministic:
+the same versions write the same files. Every parameter is made non-trivial (biases nonzero,
+LayerNorm scales away from 1, weights large enough that the logits spread over a few units), so
+a parameter mapped to the wrong place shows in the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# Heads of 64 (what the GPU attention kernels take, so the fixture runs on them too) and a
+# vocabulary that is not a multiple of 128 (ours pads it to 1024).
+CONFIG = dict(vocab_size=1000, n_positions=64, n_embd=128, n_layer=2, n_head=2, bos_token_id=999,
+              eos_token_id=999)
+TOKENS_SHAPE = (2, 32)
+SEED = 0
+
+
+def _import_torch():
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        sys.exit(f"make_fixtures.py needs torch and transformers ({e.name} is missing): run it "
+                 f"where they are installed (pip install torch transformers)")
+    return torch, transformers
+
+
+def _versions(torch, transformers) -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def make(out: Path) -> None:
+    torch, transformers = _import_torch()
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    config = transformers.GPT2Config(**CONFIG, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("wte.weight"):
+                p.normal_(0.0, 0.2)  # the tied head too: logits of a few units
+            elif name.endswith("wpe.weight"):
+                p.normal_(0.0, 0.1)
+            elif ".ln_" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+            else:
+                p.normal_(0.0, 0.08)
+    tokens = np.random.default_rng(SEED).integers(0, CONFIG["vocab_size"], TOKENS_SHAPE)
+    with torch.no_grad():
+        t = torch.from_numpy(tokens)
+        logits = model(t).logits.float().numpy()
+        # transformers shifts the labels: the mean next-token loss over 2 x 31 predictions.
+        loss = np.float32(model(t, labels=t).loss.item())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)  # not used: keep the folder small
+    np.savez(out / "expected.npz", tokens=tokens.astype(np.int32), logits=logits, loss=loss)
+    versions = _versions(torch, transformers)
+    logits_shape = [*TOKENS_SHAPE, CONFIG["vocab_size"]]
+    readme = [
+        f"# {out.name}",
+        "",
+        "A small random transformers `GPT2LMHeadModel` (`save_pretrained`, safetensors) and what",
+        "transformers computes with it, for tests/test_interop.py. Made by",
+        f"`python scripts/make_fixtures.py --out {out.as_posix()}` with",
+        ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        f"- config: `{json.dumps(CONFIG)}`",
+        f"  (eager attention, float32, seed {SEED}; every parameter re-drawn to be non-trivial)",
+        f"- expected.npz: `tokens` int32 {list(TOKENS_SHAPE)} (numpy default_rng({SEED})),",
+        f"  `logits` float32 {logits_shape} (`model(tokens).logits`), `loss` float32",
+        "  (`model(tokens, labels=tokens).loss`: the mean next-token cross-entropy over",
+        f"  {TOKENS_SHAPE[0]} x {TOKENS_SHAPE[1] - 1} predictions)",
+    ]
+    (out / "README.md").write_text("\n".join(readme) + "\n", encoding="utf-8")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e3:.0f} kB): loss {float(loss):.6f}; {versions}")
+
+
+def check_export(folder: Path, expected: Path, atol: float) -> int:
+    torch, transformers = _import_torch()
+    want = np.load(expected)
+    model = transformers.GPT2LMHeadModel.from_pretrained(
+        folder, attn_implementation="eager", torch_dtype=torch.float32).eval()
+    tokens = want["tokens"].astype(np.int64)
+    with torch.no_grad():
+        t = torch.from_numpy(tokens)
+        logits = model(t).logits.float().numpy()
+        loss = model(t, labels=t).loss.item()
+    # The expected logits may keep a padded vocabulary: compare the model's columns.
+    ref = want["logits"][..., :logits.shape[-1]]
+    diff = float(np.max(np.abs(logits - ref)))
+    print(f"{folder}: transformers {transformers.__version__} logits vs {expected}: max |diff| "
+          f"{diff:.3e} (max |logit| {float(np.max(np.abs(ref))):.3f}); loss {loss:.6f}"
+          + (f" (expected {float(want['loss']):.6f})" if "loss" in want else ""))
+    ok = diff <= atol
+    if (folder / "vocab.json").is_file():
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        ids = tok("Hello, I'm a")["input_ids"]
+        print(f"tokenizer {type(tok).__name__}: 'Hello, I'm a' -> {ids}")
+        ok &= ids == [15496, 11, 314, 1101, 257]
+    print("OK" if ok else f"FAILED (atol {atol})")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("tests/fixtures/hf_gpt2_tiny"),
+                   help="where to write the fixture (default: %(default)s)")
+    p.add_argument("--check-export", type=Path, metavar="DIR",
+                   help="instead: load DIR with GPT2LMHeadModel.from_pretrained and compare")
+    p.add_argument("--expected", type=Path, metavar="FILE.npz",
+                   help="with --check-export: tokens and the logits expected on them")
+    p.add_argument("--atol", type=float, default=1e-4,
+                   help="with --check-export: the largest |logit difference| that passes")
+    args = p.parse_args(argv)
+    if args.check_export:
+        if not args.expected:
+            p.error("--check-export needs --expected FILE.npz")
+        return check_export(args.check_export, args.expected, args.atol)
+    make(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
