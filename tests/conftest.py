@@ -46,3 +46,14 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     # A different stream per test, the same in every run (str hash() is salted per process).
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def enc():
+    """tiktoken's GPT-2 encoding; the test skips where it cannot load (offline without
+    TIKTOKEN_CACHE_DIR)."""
+    from blujax import data
+    try:
+        return data.get_encoding("gpt2")
+    except RuntimeError as e:
+        pytest.skip(f"tiktoken cannot load the gpt2 encoding: {e}")

@@ -28,14 +28,6 @@ def shared_data(relative: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def enc():
-    try:
-        return data.get_encoding("gpt2")
-    except RuntimeError as e:
-        pytest.skip(f"tiktoken cannot load the gpt2 encoding: {e}")
-
-
 def read_tokens(path) -> np.ndarray:
     with Shard(path) as shard:
         return np.array(shard.tokens)
