@@ -122,7 +122,13 @@ def make_adamw(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
 
 
 def init_state(config: gpt2.GPT2Config, tcfg: TrainConfig, key, ops=kernels) -> TrainState:
-    params = gpt2.init(config, key)
+    return state_from_params(gpt2.init(config, key), tcfg, ops)
+
+
+def state_from_params(params, tcfg: TrainConfig, ops=kernels) -> TrainState:
+    """Step 0 of training `params` (say, pretrained weights: blujax.interop.load_pretrained),
+    as float32 master weights with a fresh optimizer state."""
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     opt_state = jax.jit(make_optimizer(tcfg, ops).init)(params)
     return TrainState(jnp.zeros([], jnp.int32), params, opt_state)
 

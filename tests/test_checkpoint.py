@@ -623,16 +623,16 @@ def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypa
         state = make_state(rng)
         ckpt.save(step, state, loader={"batch": step})
         states.append(state)
-    monkeypatch.setattr(run, "_checkpoint_like", lambda s, ops: states[0])
+    monkeypatch.setattr(run, "_checkpoint_like", lambda s, model_config, ops: states[0])
     step12, step8 = (run.checkpoint_dir(out) / f"step_{n:08d}" for n in (12, 8))
 
     mu = array_file(step12, "['opt_state'][0].mu['wte']")
     flip_byte(mu)
     warnings = []
-    r = run.restore_latest(out, None, None, params_only=True, warn=warnings.append)
+    r = run.restore_latest(out, None, None, None, params_only=True, warn=warnings.append)
     assert r.step == 12 and list(r.tree) == ["params"] and warnings == []
     assert_trees_equal({"params": states[2]["params"]}, r.tree)
-    r = run.restore_latest(out, None, None, warn=warnings.append)
+    r = run.restore_latest(out, None, None, None, warn=warnings.append)
     assert r.step == 8 and r.loader == {"batch": 8}
     assert_trees_equal(states[1], r.tree)
     assert warnings == [
@@ -642,12 +642,12 @@ def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypa
 
     warnings.clear()
     (step8 / "manifest.json").unlink()
-    r = run.restore_latest(out, None, None, warn=warnings.append)
+    r = run.restore_latest(out, None, None, None, warn=warnings.append)
     assert r.step == 4
     assert len(warnings) == 2 and warnings[1] == (
         f"warning: {step8} has no manifest.json (deleted or never finished): skipped; "
         f"restoring step 4 instead")
-    assert run.restore_latest(out, None, None).step == 4  # warn=None: silent
+    assert run.restore_latest(out, None, None, None).step == 4  # warn=None: silent
     assert run.checkpoint_steps(out) == [4, 12]  # the complete ones, as before
 
     for step_dir in (step12, run.checkpoint_dir(out) / "step_00000004"):
@@ -655,4 +655,4 @@ def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypa
     with pytest.raises(CheckpointError, match=r"^no checkpoint in \S+ can be restored: "
                                               r"step_00000012: .*; step_00000008: .*; "
                                               r"step_00000004: array \['params'\]\['wte'\]"):
-        run.restore_latest(out, None, None, params_only=True, warn=warnings.append)
+        run.restore_latest(out, None, None, None, params_only=True, warn=warnings.append)

@@ -159,7 +159,7 @@ def test_eval_matches_the_runs_validation_loss(trained, capsys):
     status, stdout, _ = _run(capsys, "eval", "--out", trained)
     assert status == 0
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert f"step 6: val loss {records[-1]['val_loss']:.4f}" in stdout
+    assert f"step 6 of {trained}: val loss {records[-1]['val_loss']:.4f}" in stdout
 
 
 def test_sample_is_deterministic_for_a_seed(trained, capsys):
@@ -272,7 +272,7 @@ def test_parallel_run_matches_one_device_and_resumes_on_another_mesh(corpus, tmp
     rel_close(_without_key_bias(y.tree), _without_key_bias(x.tree), 1e-3)
 
     status, stdout, _ = _run(capsys, "eval", "--out", par)
-    assert status == 0 and f"step 4: val loss {b[3]['val_loss']:.4f}" in stdout
+    assert status == 0 and f"step 4 of {par}: val loss {b[3]['val_loss']:.4f}" in stdout
 
 
 def _without_key_bias(tree):
@@ -507,10 +507,12 @@ def test_help_explains_every_flag(capsys):
                   "--seed", "--out", "--lr", "--warmup", "--accum", "--eval-every",
                   "--eval-batches", "--save-every", "--resume", "--remat", "--profile",
                   "--sample-tokens", "--dp", "--tp", "--cp", "--no-zero", "--num-processes",
-                  "--process-id", "--coordinator"],
-        "eval": ["--out", "--data"],
+                  "--process-id", "--coordinator", "--init-from", "--hellaswag"],
+        "eval": ["--out", "--data", "--init-from", "--seq", "--batch", "--eval-batches",
+                 "--dtype", "--json", "--hellaswag"],
         "sample": ["--out", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
-                   "--seed", "--num-samples"],
+                   "--seed", "--num-samples", "--init-from"],
+        "export": ["--out", "--format", "--to", "--dtype"],
     }
     for name, sub in commands.choices.items():
         with pytest.raises(SystemExit) as exit_:
@@ -521,12 +523,13 @@ def test_help_explains_every_flag(capsys):
         assert set(wanted[name]) <= {f for f, _ in flags}
         for flag, help_text in flags:
             assert flag in text
-            # Every flag says what it does and what it is when not given.
-            assert len(help_text) > 15 and "default" in help_text, flag
+            # Every flag says what it does and what it is when not given (or that it must be).
+            assert len(help_text) > 15, flag
+            assert "default" in help_text or "required" in help_text, flag
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     top = capsys.readouterr().out
-    assert all(name in top for name in ("train", "eval", "sample"))
+    assert all(name in top for name in ("train", "eval", "sample", "export"))
 
 
 def test_a_signal_asks_for_a_stop_after_the_step():

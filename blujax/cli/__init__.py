@@ -1,4 +1,4 @@
-"""The GPT-2 command line: train, evaluate, sample. `examples/gpt2.py` runs `main()`.
+"""The GPT-2 command line: train, evaluate, sample, export. `examples/gpt2.py` runs `main()`.
 
     python examples/gpt2.py                                   # train with the defaults
     python examples/gpt2.py train --data notes.txt --model small --steps 500 --out runs/a
@@ -8,6 +8,9 @@
         --coordinator host0:12355 --out runs/c   # on host0; host1 the same with id 1
     python examples/gpt2.py eval --out runs/a                 # validation loss of the latest one
     python examples/gpt2.py sample --out runs/a --prompt "Hello, I'm a"
+    python examples/gpt2.py train --init-from gpt2 --data notes.txt --out runs/ft  # fine-tune
+    python examples/gpt2.py eval --init-from gpt2 --hellaswag --json gpt2.json
+    python examples/gpt2.py export --out runs/ft --format hf --to runs/ft/hf
 
 The program lives here, in the package, rather than in the example script, so that the tests
 call `main(argv)` in-process and an installed blujax has it too (`python -m blujax.cli`).
@@ -28,6 +31,7 @@ The modules, in the order a run uses them:
     train.py      `train` and its loop
     report.py     metrics.jsonl, loss.png, the progress display, throughput and MFU
     generate.py   `eval` and `sample`
+    export.py     `export`
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import sys
 
 from blujax.checkpoint import CheckpointError
+from blujax.cli.export import cmd_export
 from blujax.cli.generate import cmd_eval, cmd_sample
 from blujax.cli.parser import build_parser
 from blujax.cli.settings import UsageError
@@ -42,7 +47,7 @@ from blujax.cli.train import cmd_train
 from blujax.data import DataError
 
 EXIT_USAGE = 2
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export}
 
 
 def main(argv=None) -> int:

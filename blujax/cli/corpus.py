@@ -260,7 +260,7 @@ def download(url: str, dest: Path, *, sha256: str | None, progress: bool, timeou
 
 
 def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | None,
-                rows_multiple: int = 1) -> list:
+                rows_multiple: int = 1, vocab_size: int = data.GPT2_VOCAB_SIZE) -> list:
     """The first max_batches (all if None) batches of the validation split, in order, on the
     device; fewer rows when the split is too small for a full batch (a multiple of
     rows_multiple, the data-parallel size, so that they split over it); none without a split.
@@ -277,7 +277,7 @@ def val_batches(source: DataSource, batch: int, seq: int, max_batches: int | Non
         return []
     batches = []
     with data.DataLoader(source.val, None, batch_size=rows, seq_len=seq, shuffle=False,
-                         process_index=0, process_count=1) as loader:
+                         process_index=0, process_count=1, vocab_size=vocab_size) as loader:
         n = loader.batches_per_epoch
         for _ in range(n if max_batches is None else min(n, max_batches)):
             b = next(loader)  # safe to keep on the device (see DataLoader)

@@ -1,86 +1,186 @@
-"""`eval` and `sample`: the validation loss of a run's latest checkpoint, and text from it.
+"""`eval` and `sample`: a model's validation loss and HellaSwag score, and text from it. The
+model is a run's latest checkpoint (--out) or pretrained weights (--init-from).
 generate_text is also what `train` samples with at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from blujax import data, sample
+from blujax import data, evaluate, hellaswag, interop, sample
 from blujax.cli import report
 from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.run import load_run, restore_latest
-from blujax.cli.settings import (TrainSettings, UsageError, check_number, model_preset,
-                                 training_config)
+from blujax.cli.settings import (TrainSettings, UsageError, check_number, defaults,
+                                 on_accelerator, run_model_config, training_config)
+from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
 
+GPT2_VOCAB = 50257
+
+
+@dataclasses.dataclass
+class Model:
+    """What eval and sample run: a run's latest parameters, or pretrained ones."""
+
+    config: gpt2.GPT2Config
+    params: dict
+    name: str                  # "step 6 of runs/a", or the pretrained source
+    ops: str                   # the run's, else ffi
+    dtype: str                 # the run's, else this machine's default
+    settings: TrainSettings | None = None   # the run's; None for pretrained weights
+    step: int | None = None
+
+
+def load_model(args) -> Model:
+    """The model of `--out RUN` (its latest checkpoint that verifies, parameters only) or of
+    `--init-from SRC`; --ops and --dtype where given override the run's."""
+    if args.init_from is not None:
+        if args.out is not None:
+            raise UsageError("--out and --init-from name two models: give one")
+        pre = load_pretrained(args.init_from)
+        model = Model(pre.config, jax.device_put(pre.params), args.init_from, "ffi",
+                      defaults(on_accelerator())["dtype"])
+    else:
+        out = Path(args.out or "out")
+        run = load_run(out)
+        s = TrainSettings(**run["settings"])
+        config = run_model_config(run)
+        ops = model_ops.get(args.ops or s.ops)
+        restored = restore_latest(out, s, config, ops, params_only=True, warn=report.warn)
+        model = Model(config, restored.tree["params"], f"step {restored.step} of {out}", s.ops,
+                      s.dtype, s, restored.step)
+    model.ops = args.ops or model.ops
+    model.dtype = getattr(args, "dtype", None) or model.dtype
+    return model
+
+
+def load_pretrained(src: str) -> interop.Pretrained:
+    try:
+        return interop.load_pretrained(src)
+    except interop.InteropError as e:
+        raise UsageError(str(e)) from None
+
 
 def cmd_eval(args) -> int:
-    out = Path(args.out)
-    run = load_run(out)
-    s = TrainSettings(**run["settings"])
+    model = load_model(args)
+    ops = model_ops.get(model.ops)
+    s = model.settings
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.eval_batches is not None and args.eval_batches < 0:
+        raise UsageError(f"--eval-batches must be >= 0, got {args.eval_batches}")
+    if args.data is None and s is None and args.hellaswag is None:
+        raise UsageError("nothing to evaluate: give --data FILE (a validation loss) or "
+                         "--hellaswag [FILE] with --init-from")
+    result = {"model": model.name, "ops": model.ops, "dtype": model.dtype}
+    if model.step is not None:
+        result["step"] = model.step
     if args.data is not None:
-        s.data = args.data
-    ops_name = args.ops or s.ops
-    ops = model_ops.get(ops_name)
-    model_config = model_preset(s.model)
-    if args.batch is not None:
-        if args.batch < 1:
-            raise UsageError(f"--batch must be at least 1, got {args.batch}")
-        s.batch = args.batch
+        seq = args.seq or (s.seq if s else min(model.config.block_size, 1024))
+        batch = args.batch or (s.batch if s else 8)
+        if seq > model.config.block_size:
+            raise UsageError(f"--seq {seq} is longer than the model's block_size "
+                             f"({model.config.block_size})")
+        tokens, description = evaluate.eval_tokens(args.data, progress=not args.no_progress)
+        k = args.eval_batches if args.eval_batches is not None else (s.eval_batches if s else 0)
+        try:
+            loss = evaluate.evaluate_loss(model.params, model.config, tokens, batch=batch,
+                                          seq=seq, max_batches=k or None, ops=ops,
+                                          dtype=DTYPES[model.dtype])
+        except ValueError as e:
+            raise UsageError(f"--data {args.data}: {e}") from None
+        result.update(loss, data=description)
+    elif s is not None:  # the run's own validation batches: what its val_loss measured
+        result.update(_run_val_loss(model, ops, args), data=s.data)
+    if args.hellaswag is not None:
+        result.update(score_hellaswag(model.params, model.config, ops, model.dtype,
+                                      args.hellaswag, progress=not args.no_progress))
+    parts = [f"{model.name}:"]
+    if "val_loss" in result:
+        parts.append(f"val loss {result['val_loss']:.4f} ({result['batches']} batches of "
+                     f"{result['batch']} x {result['seq']}, {result['tokens']:,} tokens)")
+    if "hellaswag_acc" in result:
+        parts.append(f"HellaSwag acc {result['hellaswag_acc']:.4f}, acc_norm "
+                     f"{result['hellaswag_acc_norm']:.4f} ({result['hellaswag_n']} items)")
+    print(" ".join(parts) + f"; {model.ops} ops, {model.dtype}")
+    if args.json is not None:
+        try:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as e:
+            raise UsageError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+    return 0
+
+
+def _run_val_loss(model: Model, ops, args) -> dict:
+    """A run's validation loss as it measured it during training (its split, batch and seq
+    unless --batch / --seq / --eval-batches say otherwise)."""
+    s = dataclasses.replace(model.settings, dtype=model.dtype)
+    s.batch, s.seq = args.batch or s.batch, args.seq or s.seq
     source = resolve_data(s.data, progress=not args.no_progress)
     if not source.val:
         raise UsageError(f"{source.description} has no validation split (shards named "
                          f"*_val_*.bin): nothing to evaluate on")
     n = s.eval_batches if args.eval_batches is None else args.eval_batches
-    if n < 0:
-        raise UsageError(f"--eval-batches must be >= 0, got {n}")
-    batches = val_batches(source, s.batch, s.seq, n or None)
+    batches = val_batches(source, s.batch, s.seq, n or None,
+                          vocab_size=model.config.vocab_size)
     if not batches:
         raise UsageError(f"the validation split of {source.description} is too short for one "
                          f"sequence of {s.seq} tokens")
-    restored = restore_latest(out, s, ops, params_only=True, warn=report.warn)
-    eval_step = make_eval_step(model_config, training_config(s), ops=ops)
-    params = restored.tree["params"]
-    loss = float(np.mean(jax.device_get([eval_step(params, x, y) for x, y in batches])))
-    tokens = sum(int(x.size) for x, _ in batches)
-    print(f"step {restored.step}: val loss {loss:.4f} ({len(batches)} batches, {tokens:,} "
-          f"tokens, {ops_name} ops, {s.dtype})")
-    return 0
+    eval_step = make_eval_step(model.config, training_config(s), ops=ops)
+    loss = float(np.mean(jax.device_get([eval_step(model.params, x, y) for x, y in batches])))
+    return {"val_loss": loss, "batches": len(batches), "batch": int(batches[0][0].shape[0]),
+            "seq": s.seq, "tokens": sum(int(x.size) for x, _ in batches)}
+
+
+def score_hellaswag(params, config, ops, dtype: str, path: str, *, progress: bool) -> dict:
+    """HellaSwag's hellaswag_acc, hellaswag_acc_norm and hellaswag_n for the items of `path`
+    ("": the official validation set, downloaded once)."""
+    check_gpt2_vocab(config, "HellaSwag")
+    items = hellaswag.load_items(path or hellaswag.default_path(progress=progress))
+    return hellaswag.score(params, config, items, ops=ops, dtype=DTYPES[dtype])
+
+
+def check_gpt2_vocab(config: gpt2.GPT2Config, what: str):
+    """Text reaches a model through GPT-2's encoding: refused for another vocabulary."""
+    if config.vocab_size != GPT2_VOCAB:
+        raise UsageError(f"{what} needs GPT-2's encoding, and the model's vocabulary has "
+                         f"{config.vocab_size} tokens, not {GPT2_VOCAB}: give it token "
+                         f"shards made for it instead of text")
 
 
 def cmd_sample(args) -> int:
-    out = Path(args.out)
-    run = load_run(out)
-    s = TrainSettings(**run["settings"])
-    model_config = model_preset(s.model)
-    ops = model_ops.get(args.ops or s.ops)
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_number("--temperature", args.temperature, low=0)
-    if not 0 <= args.top_k <= model_config.vocab_size:
-        raise UsageError(f"--top-k must lie in [0, {model_config.vocab_size}], got {args.top_k}")
+    model = load_model(args)
+    config = model.config
+    check_gpt2_vocab(config, "sampling from a text prompt")
+    if not 0 <= args.top_k <= config.vocab_size:
+        raise UsageError(f"--top-k must lie in [0, {config.vocab_size}], got {args.top_k}")
     top_k = args.top_k or None
     prompt = encode(args.prompt)
     if not prompt:
         raise UsageError("--prompt is empty: give at least one token of text")
-    if len(prompt) + args.max_new_tokens > model_config.block_size:
+    if len(prompt) + args.max_new_tokens > config.block_size:
         raise UsageError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's block_size "
-                         f"({model_config.block_size})")
-    restored = restore_latest(out, s, ops, params_only=True, warn=report.warn)
-    texts = generate_text(restored.tree["params"], model_config, ops, s.dtype, args.prompt,
-                          key=jax.random.key(args.seed), max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=top_k,
-                          num_samples=args.num_samples)
-    print(f"# step {restored.step} of {out}, seed {args.seed}, temperature {args.temperature}, "
+                         f"({config.block_size})")
+    texts = generate_text(model.params, config, model_ops.get(model.ops), model.dtype,
+                          args.prompt, key=jax.random.key(args.seed),
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=top_k, num_samples=args.num_samples)
+    print(f"# {model.name}, seed {args.seed}, temperature {args.temperature}, "
           f"top-k {top_k or 'off'}")
     for i, text in enumerate(texts):
         print(f"--- sample {i + 1} ---\n{text}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from blujax import evaluate
 from blujax.cli.settings import SAMPLE_PROMPT, defaults
 from blujax.model import gpt2
 
@@ -20,9 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="gpt2.py",
-        description="Train GPT-2 on blujax's kernels, evaluate it, sample from it. With no "
-                    "command, `train` runs with its defaults: a small model on tinyshakespeare "
-                    "for a few minutes on a CPU, GPT-2 124M in bf16 on a GPU.",
+        description="Train GPT-2 on blujax's kernels, evaluate it, sample from it, export "
+                    "it. With no command, `train` runs with its defaults: a small model on "
+                    "tinyshakespeare for a few minutes on a CPU, GPT-2 124M in bf16 on a GPU.",
         epilog="Run `gpt2.py COMMAND --help` for each command's flags.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache, else $BLUJAX_CORPUS, else downloaded)")
     t.add_argument("--model", help=f"model preset: {', '.join(_preset_names())} "
                                    f"(default: {both('model')})")
+    t.add_argument("--init-from", metavar="SRC", help=INIT_FROM_HELP.format(
+        what="fine-tune pretrained weights; the model's shape comes from them (no --model)",
+        default="a new model of --model, randomly initialised"))
     t.add_argument("--steps", type=int, help=f"optimizer steps; the learning-rate schedule "
                                              f"spans them. With --resume, a new count extends "
                                              f"the run (its schedule then spans the new count "
@@ -102,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int,
                    help="measure the validation loss every this many steps, and at the end; "
                         "0: never (default: a tenth of --steps)")
+    t.add_argument("--hellaswag", nargs="?", const="", metavar="FILE",
+                   help="also score HellaSwag at every validation (--eval-every): the official "
+                        "validation jsonl FILE, or without FILE that set downloaded once into "
+                        "the user cache; into metrics.jsonl, the progress line and loss.png "
+                        "(default: off)")
     t.add_argument("--eval-batches", type=int,
                    help=f"validation batches per measurement, the split's first ones "
                         f"(default: {both('eval_batches')})")
@@ -132,18 +141,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress bar or progress lines (default: shown)")
 
     e = commands.add_parser(
-        "eval", help="validation loss of the latest checkpoint",
-        description="Measure the validation loss of the latest checkpoint in --out on the "
-                    "run's data (or --data).")
-    e.add_argument("--out", default="out", help="the run's folder (default: out)")
-    e.add_argument("--data", metavar="PATH_OR_GLOB",
-                   help="evaluate on this data's validation split instead (same forms as "
-                        "train --data) (default: the run's data)")
+        "eval", help="validation loss and HellaSwag score of a run or of pretrained weights",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Evaluate the latest checkpoint of a run (--out) or pretrained weights "
+                    "(--init-from): a validation loss, and with --hellaswag the HellaSwag "
+                    "accuracy.\n\n" + evaluate.EVAL_DEFINITION + "\n\nWithout --data, a "
+                    "run is measured on its own validation batches, as its val_loss was.")
+    e.add_argument("--out", help="the run's folder (default: out, unless --init-from)")
+    e.add_argument("--init-from", metavar="SRC", help=INIT_FROM_HELP.format(
+        what="evaluate pretrained weights instead of a run", default="the run in --out"))
+    e.add_argument("--data", metavar="FILE",
+                   help="evaluation tokens: a text file (all its tokens), a shard directory or "
+                        "glob (its validation split) or one .bin shard (all its tokens) "
+                        "(default: the run's validation split)")
+    e.add_argument("--seq", type=int, help="T: tokens each row predicts (default: the run's "
+                                           "--seq; pretrained: the block size, at most 1024)")
+    e.add_argument("--batch", type=int, help="B: rows per batch (default: the run's --batch; "
+                                             "pretrained: 8)")
     e.add_argument("--eval-batches", type=int,
-                   help="batches to evaluate, from the split's start; 0: all of it (default: "
-                        "the run's --eval-batches, so the loss matches its val_loss)")
-    e.add_argument("--batch", type=int, help="sequences per batch (default: the run's --batch)")
-    e.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's)")
+                   help="K: batches to evaluate, from the start; 0: all of them (default: the "
+                        "run's --eval-batches, so the loss matches its val_loss; pretrained: 0)")
+    e.add_argument("--dtype", choices=("bf16", "f32"),
+                   help="compute dtype (default: the run's; pretrained: bf16 on a GPU, f32 on "
+                        "a CPU)")
+    e.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's, or ffi)")
+    e.add_argument("--hellaswag", nargs="?", const="", metavar="FILE",
+                   help="also score HellaSwag: the official validation jsonl FILE, or without "
+                        "FILE that set downloaded once into the user cache; each ending is "
+                        "scored by the sum (acc) and mean (acc_norm) of its tokens' "
+                        "cross-entropy given the context, the lowest wins (default: off)")
+    e.add_argument("--json", metavar="PATH",
+                   help="also write the results as one JSON object to PATH (val_loss, "
+                        "batches, tokens, batch, seq, hellaswag_acc, hellaswag_acc_norm, "
+                        "hellaswag_n, ...) (default: printed only)")
     e.add_argument("--no-progress", action="store_true",
                    help="no progress bar while tokenizing (default: shown)")
 
@@ -151,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sample", help="generate text from the latest checkpoint",
         description="Generate text from the latest checkpoint in --out; the same --seed "
                     "gives the same text.")
-    p.add_argument("--out", default="out", help="the run's folder (default: out)")
+    p.add_argument("--out", help="the run's folder (default: out, unless --init-from)")
+    p.add_argument("--init-from", metavar="SRC", help=INIT_FROM_HELP.format(
+        what="sample from pretrained weights instead of a run", default="the run in --out"))
+    p.add_argument("--dtype", choices=("bf16", "f32"),
+                   help="compute dtype (default: the run's; pretrained: bf16 on a GPU, f32 on "
+                        "a CPU)")
     p.add_argument("--prompt", default=SAMPLE_PROMPT,
                    help=f"text to continue (default: \"{SAMPLE_PROMPT}\")")
     p.add_argument("--max-new-tokens", type=int, default=64,
@@ -164,8 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--num-samples", type=int, default=1,
                    help="independent samples of the prompt (default: 1)")
-    p.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's)")
+    p.add_argument("--ops", choices=("ffi", "xla"), help="kernels (default: the run's, or ffi)")
+
+    x = commands.add_parser(
+        "export", help="write a run's latest parameters for Hugging Face or llm.c",
+        description="Write the latest checkpoint's parameters of the run in --out for another "
+                    "tool: --format hf, a folder that transformers' "
+                    "GPT2LMHeadModel.from_pretrained loads (config.json, model.safetensors, "
+                    "and GPT-2's tokenizer files where they are found offline); --format llmc, "
+                    "an llm.c model file that its train_gpt2 and `train --init-from` read.")
+    x.add_argument("--out", default="out", help="the run's folder (default: out)")
+    x.add_argument("--format", choices=("hf", "llmc"), required=True,
+                   help="hf: a Hugging Face folder; llmc: an llm.c .bin model file (required)")
+    x.add_argument("--to", required=True, metavar="PATH",
+                   help="the folder (hf) or file (llmc) to write (required)")
+    x.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="llm.c's parameter dtype: float32 (its version 3 header) or bfloat16 "
+                        "(version 5) (default: float32)")
     return parser
+
+
+INIT_FROM_HELP = ("{what}: a Hugging Face folder (config.json + model.safetensors of a "
+                  "GPT2LMHeadModel), a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; "
+                  "downloaded once where there is a network) or an llm.c model file "
+                  "(gpt2_124M.bin, float32 or bfloat16) (default: {default})")
 
 
 def _preset_names() -> list[str]:

@@ -79,8 +79,16 @@ def plot_losses(records: list[dict], path: Path, title: str = ""):
     ax.set_ylabel("loss (nats per token)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if train or val:
-        ax.legend()
+    handles = ax.get_legend_handles_labels()[0]
+    scores = [(r["step"], r["hellaswag_acc_norm"]) for r in records
+              if r.get("hellaswag_acc_norm") is not None]
+    if scores:  # an accuracy: its own axis, on the right
+        right = ax.twinx()
+        handles += right.plot(*zip(*scores), "s--", ms=4, color="tab:green",
+                              label="HellaSwag acc_norm")
+        right.set_ylabel("HellaSwag acc_norm")
+    if handles:
+        ax.legend(handles=handles)
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp)
     os.replace(tmp, path)
@@ -105,12 +113,14 @@ class Progress:
         parts = {"loss": f"{record['loss']:.4f}"}
         if record.get("val_loss") is not None:
             parts["val"] = f"{record['val_loss']:.4f}"
+        if record.get("hellaswag_acc_norm") is not None:
+            parts["hellaswag"] = f"{record['hellaswag_acc_norm']:.4f}"
         parts["tok/s"] = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
         parts["MFU"] = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
         if self.tty:
             self.bar.set_postfix(parts, refresh=False)
             self.bar.update(1)
-        elif (record["step"] % self.every == 0 or record.get("val_loss") is not None
+        elif (record["step"] % self.every == 0 or "val" in parts or "hellaswag" in parts
               or record["step"] == self.total):
             print(f"step {record['step']}/{self.total} "
                   + " ".join(f"{k} {v}" for k, v in parts.items()), file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import jax
 
 from blujax.checkpoint import NO_MANIFEST, Checkpointer, Restored
 from blujax.cli.corpus import DataSource
-from blujax.cli.settings import TrainSettings, UsageError, model_preset, training_config
+from blujax.cli.settings import TrainSettings, UsageError, training_config
 from blujax.model import gpt2
 from blujax.train import TrainConfig, TrainState, init_state
 
@@ -47,11 +47,13 @@ def load_run(out: Path) -> dict:
 
 def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: TrainConfig,
                  params, source: DataSource, train_tokens: int, fingerprint: str,
-                 n_devices: int = 1, n_processes: int = 1) -> dict:
-    """What config.json holds."""
+                 n_devices: int = 1, n_processes: int = 1, init_from: dict | None = None) -> dict:
+    """What config.json holds. init_from: where the initial weights came from
+    (blujax.interop.Pretrained.source), for a run started from pretrained weights."""
     device = jax.devices()[0]
     return {
         "settings": dataclasses.asdict(s),
+        "init_from": init_from,
         "model": dict(name=s.model, **dataclasses.asdict(model_config),
                       params=gpt2.num_params(params)),
         "train": dataclasses.asdict(train_config),
@@ -91,7 +93,8 @@ def checkpoint_steps(out: Path) -> list[int]:
     return Checkpointer(checkpoint_dir(out), read_only=True).steps()
 
 
-def restore_latest(out: Path, s: TrainSettings, ops, *, params_only: bool = False,
+def restore_latest(out: Path, s: TrainSettings, model_config: gpt2.GPT2Config, ops, *,
+                   params_only: bool = False,
                    warn: Callable[[str], None] | None = None) -> Restored:
     """The newest checkpoint of the run in `out` that verifies (a checkpoint.Restored: .tree,
     .step, .loader), read without touching the folder (so every process of a run may read
@@ -105,7 +108,7 @@ def restore_latest(out: Path, s: TrainSettings, ops, *, params_only: bool = Fals
     reader = Checkpointer(checkpoint_dir(out), read_only=True)
     if not reader.steps() and not reader.incomplete_steps():
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
-    like = _checkpoint_like(s, ops)
+    like = _checkpoint_like(s, model_config, ops)
     if params_only:
         like = {"params": like["params"]}
     skipped = []
@@ -123,9 +126,9 @@ def restore_latest(out: Path, s: TrainSettings, ops, *, params_only: bool = Fals
     return restored
 
 
-def _checkpoint_like(s: TrainSettings, ops):
+def _checkpoint_like(s: TrainSettings, model_config: gpt2.GPT2Config, ops):
     """The structure, shapes and dtypes of a checkpoint's tree, without computing it."""
-    model_config, train_config = model_preset(s.model), training_config(s)
+    train_config = training_config(s)
 
     def build(key):
         state = init_state(model_config, train_config, key, ops=ops)

@@ -56,6 +56,11 @@ class TrainSettings:
     tp: int = 1
     cp: int = 1
     zero: bool = False
+    # The pretrained weights the run started from (blujax.interop.load_pretrained's SRC);
+    # None: a new model of the preset `model`.
+    init_from: str | None = None
+    # HellaSwag at every validation: the items' file ("": the official set, downloaded).
+    hellaswag: str | None = None
 
     @property
     def n_devices(self) -> int:
@@ -63,10 +68,12 @@ class TrainSettings:
 
 
 COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed", "lr",
-                "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat")
+                "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat", "init_from")
 # How the run is spread over devices: the same numbers up to rounding, so a resumed run keeps
 # the run's values unless given, and may change them (then not bit for bit).
 PARALLEL_KEYS = ("dp", "tp", "cp", "zero")
+# Settings that runs of earlier versions lack (config.json): they take their defaults there.
+ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag")
 
 
 def on_accelerator() -> bool:
@@ -85,7 +92,7 @@ def defaults(accelerator: bool) -> dict:
                     eval_batches=4)
     return dict(base, data=None, accum=1, ops="ffi", seed=0, min_lr_ratio=0.1,
                 weight_decay=0.1, grad_clip=1.0, remat=False, save_every=0, sample_tokens=64,
-                dp=1, tp=1, cp=1, zero=False)
+                dp=1, tp=1, cp=1, zero=False, init_from=None, hellaswag=None)
 
 
 def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
@@ -97,6 +104,8 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
         old = saved["settings"]
         # --steps may change: it extends (or shortens) the run, whose learning-rate schedule
         # then spans the new count (cmd_train says so and records it).
+        # Settings added since a run began take their defaults there.
+        old = dict({k: defaults(False)[k] for k in ADDED_KEYS}, **old)
         changed = [k for k in COMPUTE_KEYS if k in given and given[k] != old[k]
                    and k != "steps"]
         if changed:
@@ -104,9 +113,12 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
                 "--resume continues a run with the settings it started with, and these "
                 "differ: " + ", ".join(f"--{k.replace('_', '-')} {given[k]} (the run has "
                                        f"{old[k]})" for k in changed))
-        values = dict({k: defaults(False)[k] for k in PARALLEL_KEYS}, **old)
+        values = dict(old)
         values.update(given)
     else:
+        if "init_from" in given and "model" in given:
+            raise UsageError("--model and --init-from: the model's shape comes from the weights "
+                             "--init-from names; drop --model")
         values = dict(defaults(on_accelerator()), **given)
         if "warmup" not in values:
             values["warmup"] = values["steps"] // 10
@@ -204,6 +216,16 @@ def model_preset(name: str) -> gpt2.GPT2Config:
         return gpt2.get_config(name)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def run_model_config(run: dict) -> gpt2.GPT2Config:
+    """The model of a run, from its config.json: the shape it records (a run started from
+    pretrained weights has no preset), else its preset's."""
+    model = run.get("model", {})
+    fields = [f.name for f in dataclasses.fields(gpt2.GPT2Config)]
+    if all(name in model for name in fields):
+        return gpt2.GPT2Config(**{name: model[name] for name in fields})
+    return model_preset(run["settings"]["model"])
 
 
 def training_config(s: TrainSettings) -> TrainConfig:

@@ -20,20 +20,21 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax import data, sharding
+from blujax import data, hellaswag, sharding
 from blujax.checkpoint import Checkpointer
 from blujax.cli import processes, report, run
 from blujax.cli.lock import RunLock
 from blujax.cli.corpus import resolve_data, val_batches
-from blujax.cli.generate import encode, generate_text
+from blujax.cli.generate import (GPT2_VOCAB, check_gpt2_vocab, encode, generate_text,
+                                 load_pretrained)
 from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
                                  check_settings, model_preset, parallel_devices,
-                                 resolve_train_settings, training_config)
+                                 resolve_train_settings, run_model_config, training_config)
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from blujax.sharding.mesh import check_batch, mesh_sizes
 from blujax.train import (TrainState, init_state, make_eval_step, make_train_step,
-                          peak_flops, schedule)
+                          peak_flops, schedule, state_from_params)
 
 EXIT_INTERRUPTED = 130
 
@@ -59,7 +60,15 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             held.enter_context(RunLock(out))
         saved = run.load_run(out) if args.resume else None
         s = resolve_train_settings(args, saved)
-        model_config = model_preset(s.model)
+        pretrained = None
+        if saved is not None:
+            model_config = run_model_config(saved)
+        elif s.init_from is not None:  # fine-tuning: the model is the weights'
+            pretrained = load_pretrained(s.init_from)
+            model_config = pretrained.config
+            s.model = pretrained.source.get("name") or Path(s.init_from).name
+        else:
+            model_config = model_preset(s.model)
         check_settings(s, model_config)
         stop_after = s.steps if args.stop_after is None else args.stop_after
         if not 1 <= stop_after <= s.steps:
@@ -76,14 +85,21 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
         if source is None:  # the other processes, from the lead's cache
             source = resolve_data(s.data, progress=False)
         counts = [data.read_header(p) for p in source.train]
-        loader = held.enter_context(_open_loader(s, source, counts, saved))
+        loader = held.enter_context(_open_loader(s, source, counts, saved,
+                                                 model_config.vocab_size))
         # Every shard's tokens, before step 1: a bad token hours into a run would stop it
         # where nothing can be done about it.
         if procs.lead and len(counts) > 4:
             print(f"checking the tokens of {len(counts)} training shards", flush=True)
         loader.check_all()
         fingerprint = loader.state()["shards"]
-        val = val_batches(source, s.batch, s.seq, s.eval_batches, s.dp) if s.eval_every else []
+        val = (val_batches(source, s.batch, s.seq, s.eval_batches, s.dp,
+                           vocab_size=model_config.vocab_size) if s.eval_every else [])
+        items = None  # HellaSwag's, at every validation
+        if s.hellaswag is not None and s.eval_every:
+            check_gpt2_vocab(model_config, "HellaSwag")
+            items = hellaswag.load_items(s.hellaswag or hellaswag.default_path(
+                progress=progress))
 
         ops = model_ops.get(s.ops)
         train_config = training_config(s)
@@ -95,7 +111,7 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             _check_val_batches(val, mesh, model_config)
         warn = report.warn if procs.lead else None
         if args.resume:
-            restored = run.restore_latest(out, s, ops, warn=warn)
+            restored = run.restore_latest(out, s, model_config, ops, warn=warn)
             try:
                 loader.load_state(restored.loader)
             except ValueError as e:
@@ -131,6 +147,12 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             if extension:
                 _note_extension(extension, saved, s)
         sample_key = tree["sample_key"]
+    elif pretrained is not None:
+        state = state_from_params(pretrained.params, train_config, ops)
+        if mesh is not None:
+            state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
+        sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
+        records = []
     else:
         if mesh is None:
             state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
@@ -141,8 +163,9 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
 
+    init_from = pretrained.source if pretrained else saved and saved.get("init_from")
     config = run.describe_run(s, model_config, train_config, state.params, source, sum(counts),
-                              fingerprint, len(devices), procs.count)
+                              fingerprint, len(devices), procs.count, init_from=init_from)
     if args.resume:
         config["extensions"] = saved.get("extensions", []) + ([extension] if extension else [])
     device = devices[0]
@@ -157,7 +180,8 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             report.write_metrics(out / "metrics.jsonl", records)
         except OSError as e:
             raise UsageError(f"cannot write in {out}: {e}") from None
-        print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters, {s.ops} "
+        print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters"
+              + (f" from {s.init_from}" if s.init_from else "") + f", {s.ops} "
               f"ops, {s.dtype}, on {where}; data: {source.description}, {sum(counts):,} "
               f"training tokens; {s.batch} x {s.seq} tokens per step"
               + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
@@ -167,7 +191,8 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
     peak = peak_flops(device, s.dtype)
     loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh, procs,
                       peak=peak and peak * len(devices),
-                      flops_per_token=gpt2.flops_per_token(model_config, s.seq))
+                      flops_per_token=gpt2.flops_per_token(model_config, s.seq),
+                      hellaswag_items=items)
     with procs.fail_fast():  # an error on one process stops all of them
         state, stopped = loop.train(state, sample_key, loader, val, checkpointer, stop_after,
                                     args.profile)
@@ -186,7 +211,11 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
         return EXIT_INTERRUPTED if stopped is not None else 0
     if procs.lead:
         _print_summary(records, last, out)
-    if s.sample_tokens:
+    if s.sample_tokens and model_config.vocab_size != GPT2_VOCAB:
+        if procs.lead:
+            report.warn(f"note: no samples: the model's vocabulary ({model_config.vocab_size} "
+                        f"tokens) is not GPT-2's, whose encoding the prompt is in")
+    elif s.sample_tokens:
         # Every process gathers the params (collectives); process 0 samples from its copy.
         params = state.params if mesh is None else sharding.unshard_params(state.params)
         if procs.lead:
@@ -247,7 +276,8 @@ def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
     return True
 
 
-def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None):
+def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None,
+                 vocab_size: int):
     """The training data loader; resuming, over the same shards as the run's."""
     need = s.batch * s.seq + 1
     if max(counts) < need:
@@ -257,7 +287,8 @@ def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None
             f"({source.description}); lower --batch or --seq, or give more text")
     # Whole batches, on every process (see _TrainLoop.train).
     loader = data.DataLoader(source.train, None, batch_size=s.batch, seq_len=s.seq,
-                             seed=s.seed, process_index=0, process_count=1)
+                             seed=s.seed, process_index=0, process_count=1,
+                             vocab_size=vocab_size)
     if saved is not None and saved["data"]["fingerprint"] != loader.state()["shards"]:
         loader.close()
         raise UsageError(f"--resume: the training data differs from the run's (other shard "
@@ -352,8 +383,9 @@ class _TrainLoop:
 
     def __init__(self, s: TrainSettings, model_config, train_config, ops, out: Path,
                  records: list, progress: bool, mesh, procs=processes.Processes(), *, peak,
-                 flops_per_token):
+                 flops_per_token, hellaswag_items=None):
         self.s, self.model_config, self.out, self.records = s, model_config, out, records
+        self.ops, self.hellaswag_items = ops, hellaswag_items
         self.progress, self.procs = progress, procs
         self.peak, self.flops_per_token = peak, flops_per_token
         self.mesh = mesh
@@ -367,6 +399,7 @@ class _TrainLoop:
             self.eval_step = sharding.make_sharded_eval_step(model_config, train_config, mesh,
                                                              ops)
             self.batch_sharding = sharding.batch_sharding(mesh)
+        self.train_config_dtype = train_config.compute_dtype
         self.tokens_per_step = s.batch * s.seq
         self.throughput = report.Throughput()
 
@@ -435,8 +468,8 @@ class _TrainLoop:
                         self._log(record)
                         diverged = self._diverged(record)
                     pending = (step, metrics)
-                    eval_due = bool(val_batches) and (step % s.eval_every == 0
-                                                      or step == s.steps)
+                    eval_due = (bool(val_batches or self.hellaswag_items)
+                                and (step % s.eval_every == 0 or step == s.steps))
                     save_due = bool(s.save_every) and step % s.save_every == 0
                     stopping = self._stop_agreed(stop.requested, step)
                     last = step == stop_after or stopping or diverged
@@ -451,7 +484,7 @@ class _TrainLoop:
                         self._note(f"profile of steps {trace.start + 1}-{step} written to "
                                    f"{profile}")
                     if eval_due and not diverged:
-                        record["val_loss"] = self._evaluate(state.params, val_batches)
+                        record.update(self._evaluate(state.params, val_batches))
                     self._log(record)
                     if eval_due and self.procs.lead:
                         report.plot_losses(self.records, self.out / "loss.png",
@@ -520,9 +553,21 @@ class _TrainLoop:
             return requested
         return step % self.STOP_POLL == 0 and self.procs.any(requested)
 
-    def _evaluate(self, params, val_batches) -> float:
-        losses = [self.eval_step(params, x, y) for x, y in val_batches]
-        return float(np.mean(jax.device_get(losses)))
+    def _evaluate(self, params, val_batches) -> dict:
+        """The validation loss, and HellaSwag's scores where asked for."""
+        result = {}
+        if val_batches:
+            losses = [self.eval_step(params, x, y) for x, y in val_batches]
+            result["val_loss"] = float(np.mean(jax.device_get(losses)))
+        if self.hellaswag_items:
+            # On one device, in the model's layout: every process scores all items itself.
+            if self.mesh is not None:
+                params = sharding.unshard_params(params)
+                params = (jax.tree.map(lambda x: x.addressable_data(0), params)
+                          if self.procs.count > 1 else jax.device_put(params, jax.devices()[0]))
+            result.update(hellaswag.score(params, self.model_config, self.hellaswag_items,
+                                          ops=self.ops, dtype=self.train_config_dtype))
+        return result
 
     def _log(self, record):
         self.records.append(record)

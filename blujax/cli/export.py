@@ -1,0 +1,45 @@
+"""`export`: a run's latest parameters in another tool's format.
+
+    gpt2.py export --out runs/a --format hf --to runs/a/hf        # transformers' from_pretrained
+    gpt2.py export --out runs/a --format llmc --to gpt2_124M.bin  # llm.c's train_gpt2
+
+The library functions behind it are blujax.interop.export_hf and export_llmc.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+
+from blujax import interop
+from blujax.cli import report
+from blujax.cli.run import load_run, restore_latest
+from blujax.cli.settings import TrainSettings, UsageError, run_model_config
+from blujax.model import ops as model_ops
+
+
+def cmd_export(args) -> int:
+    out = Path(args.out)
+    run = load_run(out)
+    s = TrainSettings(**run["settings"])
+    config = run_model_config(run)
+    restored = restore_latest(out, s, config, model_ops.get(s.ops), params_only=True,
+                              warn=report.warn)
+    params = jax.device_get(restored.tree["params"])
+    try:
+        if args.format == "hf":
+            if args.dtype != "float32":
+                raise UsageError("--dtype applies to --format llmc; the Hugging Face export "
+                                 "is float32")
+            path = interop.export_hf(params, config, args.to)
+            what = "a Hugging Face GPT2LMHeadModel folder"
+        else:
+            path = interop.export_llmc(params, config, args.to, dtype=args.dtype)
+            what = f"an llm.c model file ({args.dtype})"
+    except interop.InteropError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write {args.to}: {e.strerror or e}") from None
+    print(f"step {restored.step} of {out} written to {path}: {what}")
+    return 0
