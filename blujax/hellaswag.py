@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import urllib.error
-import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +34,7 @@ import numpy as np
 
 from blujax import data
 from blujax.evaluate import resolve
+from blujax.fetch import download, user_cache_dir
 from blujax.model import gpt2
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -109,15 +108,9 @@ def _fields(text: str, where: str) -> tuple[str, list[str], int]:
     return ctx, endings, label
 
 
-def cache_dir() -> Path:
-    """blujax's user cache, as blujax.cli.corpus.user_cache_dir names it."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(root) / "blujax"
-
-
 def default_path(*, progress: bool = False) -> Path:
     """The official validation set: in the user cache, else downloaded there once."""
-    path = cache_dir() / VAL_NAME
+    path = user_cache_dir() / VAL_NAME
     if path.is_file():
         return path
     try:
@@ -130,33 +123,18 @@ def default_path(*, progress: bool = False) -> Path:
     return path
 
 
-def _fetch(url: str, dest: Path, *, progress: bool, timeout: float = 30):
+def _fetch(url: str, dest: Path, *, progress: bool):
     """url to dest, atomically. No sha256 is pinned (none could be checked when this was
     written); a download cut short, or of another file, fails the Content-Length or item
     count check instead."""
-    from tqdm import tqdm
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            size = 0
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}",
-                      disable=not progress, file=sys.stderr) as bar:
-                while chunk := response.read(1 << 16):
-                    f.write(chunk)
-                    size += len(chunk)
-                    bar.update(len(chunk))
-        if total is not None and size != total:
-            raise ValueError(f"cut short: {size} of {total} bytes")
-        with open(tmp, "rb") as f:
+    def check(path: Path):
+        with open(path, "rb") as f:
             lines = sum(1 for line in f if line.strip())
         if lines != VAL_ITEMS:
             raise ValueError(f"the file has {lines} lines, not the {VAL_ITEMS} items of the "
                              f"validation set")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    download(url, dest, progress=progress, check=check)
 
 
 def bucket_lengths(block_size: int) -> list[int]:

@@ -16,12 +16,12 @@ import re
 import sys
 import tempfile
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import jax
 
 from blujax import data
+from blujax.fetch import download, user_cache_dir
 from blujax.cli.settings import UsageError
 
 # The default corpus: the file nanoGPT and llm.c train their first models on.
@@ -38,11 +38,6 @@ class DataSource:
     description: str        # what --data named, in words
     train: list[Path]
     val: list[Path]         # may be empty: no validation loss then
-
-
-def user_cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(root) / "blujax"
 
 
 def resolve_data(spec: str | None, *, progress: bool) -> DataSource:
@@ -230,29 +225,6 @@ def default_corpus(*, progress: bool) -> Path:
             f"set BLUJAX_CORPUS to a copy of {CORPUS_NAME} (or pass --data FILE), and "
             f"TIKTOKEN_CACHE_DIR to a folder holding tiktoken's gpt2 files") from None
     return cached
-
-
-def download(url: str, dest: Path, *, sha256: str | None, progress: bool, timeout=30):
-    """Downloads url to dest atomically, with a progress bar; checks the sha256 if given."""
-    from tqdm import tqdm
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-    digest = hashlib.sha256()
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {dest.name}",
-                      disable=not progress, file=sys.stderr) as bar:
-                while chunk := response.read(1 << 16):
-                    f.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise ValueError(f"the download's sha256 is {digest.hexdigest()}, not the "
-                             f"expected {sha256}")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
