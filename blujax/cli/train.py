@@ -73,7 +73,7 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
         stop_after = s.steps if args.stop_after is None else args.stop_after
         if not 1 <= stop_after <= s.steps:
             raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
-        todo = _check_out_folder(out, args, s, stop_after, procs.lead)
+        todo = _check_out_folder(out, args, s, saved, stop_after, procs.lead)
         if todo and procs.lead:  # first and alone: it may tokenize --data into a cache
             source = resolve_data(s.data, progress=progress)
     procs.same(todo, "whether there is training to do in --out (it must be one folder that "
@@ -250,11 +250,11 @@ def _note_extension(extension: dict, saved: dict, s: TrainSettings):
           f"config.json records the change", flush=True)
 
 
-def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
+def _check_out_folder(out: Path, args, s: TrainSettings, saved: dict | None, stop_after: int,
                       lead: bool = True) -> bool:
-    """Whether there is training to do in `out`: resuming, a checkpoint to continue from that
-    is short of stop_after; starting, no earlier run there (unless --overwrite). Only the lead
-    process says so."""
+    """Whether there is training to do in `out`: resuming (saved: its config.json), a
+    checkpoint to continue from that is short of stop_after; starting, no earlier run there
+    (unless --overwrite). Only the lead process says so."""
     existing = run.checkpoint_steps(out)
     if args.resume:
         if not existing:
@@ -262,7 +262,7 @@ def _check_out_folder(out: Path, args, s: TrainSettings, stop_after: int,
                              f"in {run.checkpoint_dir(out)})")
         if args.steps is not None and existing[-1] >= s.steps:
             # A --steps that extends nothing: not the run's own count, or one already reached.
-            _extension(run.load_run(out), s, existing[-1])
+            _extension(saved, s, existing[-1])
         if existing[-1] >= stop_after:
             if lead:
                 print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); "
