@@ -306,7 +306,7 @@ def test_qkv_handler_rejects_inconsistent_buffers(rng, case):
         args = (q, k[:, :5], v[:, :5], q, lse, q, lse)
     with pytest.raises(Exception, match="blujax_attention_qkv_bwd"):
         jax.block_until_ready(_raw("blujax_attention_qkv_bwd", outs, *args, causal=False,
-                                   scale=np.float64(0.3)))
+                                   scale=np.float64(0.3), sum_dq=False))
 
 
 # --- errors a user can act on, at trace time ----------------------------------------------------
@@ -361,6 +361,7 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
     c = sds((1,), jnp.int32)  # the forward's scratch counter
     fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
     attrs = dict(causal=True, scale=np.float64(0.3))
+    bwd_attrs = dict(attrs, sum_dq=False)
     lse = jnp.zeros((B, H, 6), jnp.float32)
     bwd_args = (q, k, v, q, lse, q, lse)
     calls = {
@@ -376,12 +377,13 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
         "scale_nan": lambda: _raw(fwd, (o, l, c), q, k, v, causal=False,
                                   scale=np.float64("nan")),
         "dk_shape": lambda: _raw(bwd, (o, sds((B, 5, H, d), jnp.float32), o, l),
-                                 *bwd_args, **attrs),
-        "dlse_shape": lambda: _raw(bwd, (o, o, o, l), q, k, v, q, lse, q, lse[:, :, :5], **attrs),
+                                 *bwd_args, **bwd_attrs),
+        "dlse_shape": lambda: _raw(bwd, (o, o, o, l), q, k, v, q, lse, q, lse[:, :, :5],
+                                   **bwd_attrs),
         "delta_shape": lambda: _raw(bwd, (o, o, o, sds((B, H, 5), jnp.float32)), *bwd_args,
-                                    **attrs),
+                                    **bwd_attrs),
         "delta_dtype": lambda: _raw(bwd, (o, o, o, sds((B, H, 6), jnp.bfloat16)), *bwd_args,
-                                    **attrs),
+                                    **bwd_attrs),
         "int_inputs": lambda: _raw(fwd, (sds(q.shape, jnp.int32), l, c), q.astype(jnp.int32),
                                    k.astype(jnp.int32), v.astype(jnp.int32), **attrs),
         "counter_shape": lambda: _raw(fwd, (o, l, sds((2,), jnp.int32)), q, k, v, **attrs),
@@ -420,7 +422,7 @@ def test_bwd_returns_delta(rng, dtype):
     results = (sds(q.shape, dtype), sds(k.shape, dtype), sds(v.shape, dtype),
                sds(lse.shape, jnp.float32))
     *_, delta = _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
-                     causal=False, scale=np.float64(0.125))
+                     causal=False, scale=np.float64(0.125), sum_dq=False)
     f32 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     want = np.einsum("bqhd,bqhd->bhq", f32(dout), f32(out)) - f32(dlse)
     assert delta.dtype == jnp.float32 and delta.shape == (B, H, tq)
@@ -435,8 +437,9 @@ DQ_SUM_CASES = [(1, 1, True, 64), (17, 17, True, 64), (5, 70, False, 64), (130, 
 
 @pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES, ids=str)
 def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
-    # The same call with and without the room: the GPU takes the summing kernel with it and
-    # the two-kernel backward without; the CPU ignores the room. Same gradients and delta.
+    # The same call with and without sum_dq (and the room it needs): the GPU takes the summing
+    # kernel with it on Hopper and the two-kernel backward otherwise; the CPU leaves the room.
+    # Same gradients and delta.
     q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
     out, lse = ops.attention_with_lse(q, k, v, causal=causal)
     dout = randn(rng, q.shape, jnp.bfloat16)
@@ -447,7 +450,7 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
         results = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
                    sds((B, H, tq + extra), jnp.float32))
         return _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
-                    causal=causal, scale=np.float64(1 / np.sqrt(d)))
+                    causal=causal, scale=np.float64(1 / np.sqrt(d)), sum_dq=extra > 0)
 
     *two, delta = bwd(0)
     *summed, delta_room = bwd(dq_room(tq, d))
@@ -456,6 +459,26 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
     for got, want in zip(summed, two):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("target", ["blujax_attention_bwd", "blujax_attention_qkv_bwd"])
+@pytest.mark.parametrize("sum_dq", [True, False])
+def test_handler_rejects_workspace_unlike_sum_dq(rng, target, sum_dq):
+    # sum_dq says how long the workspace (delta) is: with it, room for the dQ sums after delta;
+    # without, delta only. A workspace of the other length is an error, not a silent choice.
+    tq, d = 70, 64
+    q, k, v = _qkv(rng, tq, tq, d, jnp.bfloat16)
+    out, lse = ops.attention_with_lse(q, k, v, causal=False)
+    sds = jax.ShapeDtypeStruct
+    wrong = sds((B, H, tq + (0 if sum_dq else dq_room(tq, d))), jnp.float32)
+    grads = ((sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype))
+             if target == "blujax_attention_bwd" else (sds((B, tq, 3, H, d), q.dtype),))
+    right = tq + (dq_room(tq, d) if sum_dq else 0)
+    want = (rf"{target}: delta has shape \[{B}, {H}, {wrong.shape[2]}\], expected "
+            rf"\[{B}, {H}, {right}\].*sum_dq={str(sum_dq).lower()}")
+    with pytest.raises(Exception, match=want):
+        jax.block_until_ready(_raw(target, grads + (wrong,), q, k, v, out, lse, q, lse,
+                                   causal=False, scale=np.float64(0.125), sum_dq=sum_dq))
 
 
 def _outside_deterministic_mode(monkeypatch):

@@ -152,18 +152,16 @@ def xla_deterministic() -> bool:
     return False
 
 
-def _workspace(q, lse, causal, tk):
+def _workspace(q, lse, sum_dq: bool):
     """The backward's float32 workspace, [B, H, Tq + extra]: delta in its first B * H * Tq
-    values. Where _sums_dq says so (bfloat16 on a Hopper GPU, but for short causal calls) it
-    also has room for the float32 dQ tiles that the dK/dV kernel sums into (B * H *
-    ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and that kernel then runs instead of a
-    separate dQ kernel: 5 matrix products per tile pair rather than 7, with float32 sums in a
-    varying order. XLA's deterministic mode keeps the two kernels, which write every element
-    of dq once (bit-for-bit reruns)."""
+    values. With sum_dq (see _sums_dq) it also has room for the float32 dQ tiles that the
+    dK/dV kernel sums into (B * H * ceil(Tq / 64) tiles of 64 x D, 2x dq's bytes), and that
+    kernel then runs instead of a separate dQ kernel: 5 matrix products per tile pair rather
+    than 7, with float32 sums in a varying order. XLA's deterministic mode keeps the two
+    kernels, which write every element of dq once (bit-for-bit reruns). The backward's sum_dq
+    attribute says which size it is; the handlers check that the two agree."""
     b, tq, h, d = q.shape
-    extra = 0
-    if _sums_dq(q.dtype, causal, tk, d):
-        extra = dq_room(tq, d)
+    extra = dq_room(tq, d) if sum_dq else 0
     return result_type(lse, (b, h, tq + extra), lse.dtype)
 
 
@@ -174,10 +172,9 @@ CAUSAL_TWO_KERNEL_KEYS = {64: 512, 128: 768}
 def _sums_dq(dtype, causal, tk: int, d: int) -> bool:
     """Whether the backward sums dQ in its dK/dV kernel (see _workspace). Not for short causal
     calls (CAUSAL_TWO_KERNEL_KEYS): a query tile there gets the shares of few key blocks, half
-    of them on average, too few to repay zeroing the float32 sums and converting them. On an
-    H100 (forward+backward, benchmarks/RESULTS.md) the summing kernel ran, against the two
-    kernels, at causal T = 256 / 512 / 640 / 768 / 1024: 0.92 / 1.02 / 1.04 / 1.05 / 1.11x at
-    D = 64; - / 0.87 / 0.94 / 0.97 / 1.05x at D = 128."""
+    of them on average, too few to repay zeroing the float32 sums and converting them: the
+    thresholds are where the summing kernel overtook the two kernels on an H100 (forward +
+    backward; the measurements are in benchmarks/LOG.md)."""
     if dtype != jnp.bfloat16 or not _hopper() or xla_deterministic():
         return False
     return not (causal and tk <= CAUSAL_TWO_KERNEL_KEYS.get(d, 0))
@@ -186,7 +183,7 @@ def _sums_dq(dtype, causal, tk: int, d: int) -> bool:
 def dq_room(tq: int, d: int) -> int:
     """Values per (batch, head) the workspace adds after delta for the summed dQ tiles: its
     ceil(Tq / 64) tiles of 64 x D, and 4 more for the 16-byte alignment of the first tile
-    (DqSumRoom in xla_ext/cuda/attention.cu)."""
+    (AttentionDqRoom in xla_ext/common/attention.h)."""
     return -(-tq // 64) * 64 * d + 4
 
 
@@ -207,11 +204,12 @@ def _attention_bwd(causal, scale, res, cts):
     dout, dlse = match_vma(dout, dlse, q)[:2]
     # delta [B, H, Tq] is the kernels' scratch (rowsum(dout * out) - dlse), an output because
     # handlers do not allocate; it is dropped here.
+    sum_dq = _sums_dq(q.dtype, causal, k.shape[1], q.shape[3])
     dq, dk, dv, _ = jax.ffi.ffi_call(
         "blujax_attention_bwd",
-        (result_type(q), result_type(k), result_type(v), _workspace(q, lse, causal, k.shape[1])),
+        (result_type(q), result_type(k), result_type(v), _workspace(q, lse, sum_dq)),
         vmap_method="sequential",
-    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale))
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale), sum_dq=sum_dq)
     return dq, dk, dv
 
 
@@ -237,11 +235,12 @@ def _attention_qkv_bwd(causal, scale, res, dout):
     dlse = jnp.zeros(lse.shape, lse.dtype)
     dlse = match_vma(dlse, q)[0]
     b, t, h, d = q.shape
+    sum_dq = _sums_dq(q.dtype, causal, t, d)
     dqkv, _ = jax.ffi.ffi_call(
         "blujax_attention_qkv_bwd",
-        (result_type(q, (b, t, 3, h, d)), _workspace(q, lse, causal, t)),
+        (result_type(q, (b, t, 3, h, d)), _workspace(q, lse, sum_dq)),
         vmap_method="sequential",
-    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale))
+    )(q, k, v, out, lse, dout, dlse, causal=causal, scale=np.float64(scale), sum_dq=sum_dq)
     return (dqkv,)
 
 

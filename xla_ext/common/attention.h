@@ -5,7 +5,8 @@
 // blujax_attention_bwd  (q, k, v, out, lse, dout, dlse)   -> (dq, dk, dv, delta)
 // blujax_attention_qkv_bwd  (the same operands)            -> (dqkv, delta)
 // attributes: causal (bool), scale (float64, finite and > 0; each kernel takes it at its own
-// precision: double for float64 inputs, float for float32 and bfloat16)
+// precision: double for float64 inputs, float for float32 and bfloat16); the two backward
+// targets also sum_dq (bool, below)
 //
 // q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
 // projection gives without a transpose), all of one float dtype. lse, dlse and delta are
@@ -17,11 +18,15 @@
 //   dS = P * (dP - delta_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
 // (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
-// it as scratch between its kernels and handlers never allocate; callers drop it. It may be
-// [B, H, Tq + extra]: delta is then its first B * H * Tq values, and the rest is workspace
-// (the Hopper backward's float32 dQ tiles, attention.cu; the CPU leaves it). counter (one
-// int32) is scratch in the same way: the Hopper forward's CTAs count off their units of work
-// in it; callers drop it, and the CPU leaves it.
+// it as scratch between its kernels and handlers never allocate; callers drop it.
+// sum_dq asks the backward to sum dQ in its dK/dV kernel (float32 sums in a varying order, so
+// not bit-for-bit reproducible) rather than in a kernel of its own; the caller decides
+// (blujax/kernels/attention.py). delta is then also the workspace for those sums:
+// [B, H, Tq + AttentionDqRoom(Tq, D)], delta in its first B * H * Tq values and the float32 dQ
+// tiles after them; without sum_dq it is [B, H, Tq]. Only the Hopper bfloat16 backward sums
+// dQ (attention.cu); the other kernels, and the CPU, run as without it and leave the room.
+// counter (one int32) is scratch in the same way: the Hopper forward's CTAs count off their
+// units of work in it; callers drop it, and the CPU leaves it.
 // The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
 // 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
 // concatenates the three; it needs Tq == Tk.
@@ -59,26 +64,6 @@ inline ffi::Error CheckAttentionTensor(const char* op, const char* name, const f
   return ffi::Error::Success();
 }
 
-inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  auto da = a.dimensions(), db = b.dimensions();
-  if (da.size() != db.size()) return false;
-  for (size_t i = 0; i < da.size(); ++i)
-    if (da[i] != db[i]) return false;
-  return true;
-}
-
-// Same dtype and shape as `like`.
-inline ffi::Error CheckSame(const char* op, const char* name, const ffi::AnyBuffer& b,
-                            const char* like_name, const ffi::AnyBuffer& like) {
-  if (b.element_type() != like.element_type())
-    return InvalidArgument(op, ": ", name, " is ", DtypeName(b.element_type()), " but ",
-                           like_name, " is ", DtypeName(like.element_type()));
-  if (!SameDims(b, like))
-    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b), " but ", like_name,
-                           " has shape ", ShapeString(like));
-  return ffi::Error::Success();
-}
-
 // q, k, v and the attributes; fills dims.
 inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
                                        const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -89,7 +74,7 @@ inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
   if (k.element_type() != q.element_type())
     return InvalidArgument(op, ": k is ", DtypeName(k.element_type()), " but q is ",
                            DtypeName(q.element_type()));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "v", v, "k", k));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "v", v, "k", k));
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
     return InvalidArgument(op, ": q ", ShapeString(q), " and k ", ShapeString(k),
@@ -115,18 +100,42 @@ inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
   return ffi::Error::Success();
 }
 
-// A per-row statistic: [B, H, Tq] of the stat dtype ([B, H, >= Tq] where `longer` allows
-// room after it: the backward's delta, which is also its workspace).
+// The room per (batch, head) that sum_dq adds to the backward's delta for the float32 dQ
+// tiles: ceil(Tq / 64) tiles of 64 x D, and 4 values to align the first tile to 16 bytes
+// (blujax.kernels.attention.dq_room says the same).
+inline int64_t AttentionDqRoom(int64_t q_len, int64_t head_dim) {
+  return (q_len + 63) / 64 * 64 * head_dim + 4;
+}
+
+// A per-row statistic: [B, H, Tq] of the stat dtype.
 inline ffi::Error CheckAttentionLse(const char* op, const char* name, const ffi::AnyBuffer& lse,
-                                    ffi::DataType x_type, const AttentionDims& d,
-                                    bool longer = false) {
+                                    ffi::DataType x_type, const AttentionDims& d) {
   BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, lse, AttentionStatType(x_type)));
   auto ld = lse.dimensions();
-  if (ld.size() != 3 || ld[0] != d.batch || ld[1] != d.heads || ld[2] < d.q_len ||
-      (!longer && ld[2] != d.q_len))
+  if (ld.size() != 3 || ld[0] != d.batch || ld[1] != d.heads || ld[2] != d.q_len)
     return InvalidArgument(op, ": ", name, " has shape ", ShapeString(lse), ", expected [",
-                           d.batch, ", ", d.heads, ", ", longer ? ">= " : "", d.q_len,
-                           "] ([B, H, ", longer ? ">= " : "", "Tq])");
+                           d.batch, ", ", d.heads, ", ", d.q_len, "] ([B, H, Tq])");
+  return ffi::Error::Success();
+}
+
+// The backward's delta result, which is also its workspace: [B, H, Tq] of the stat dtype, or
+// with sum_dq [B, H, Tq + AttentionDqRoom(Tq, D)].
+inline ffi::Error CheckAttentionDelta(const char* op, const ffi::AnyBuffer& delta,
+                                      ffi::DataType x_type, const AttentionDims& d,
+                                      bool sum_dq) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "delta", delta, AttentionStatType(x_type)));
+  const int64_t len = d.q_len + (sum_dq ? AttentionDqRoom(d.q_len, d.head_dim) : 0);
+  auto dd = delta.dimensions();
+  if (dd.size() != 3 || dd[0] != d.batch || dd[1] != d.heads || dd[2] != len) {
+    if (sum_dq)
+      return InvalidArgument(
+          op, ": delta has shape ", ShapeString(delta), ", expected [", d.batch, ", ", d.heads,
+          ", ", len, "] ([B, H, Tq + ceil(Tq / 64) * 64 * D + 4]): sum_dq=true needs room for "
+          "the float32 dQ sums after delta");
+    return InvalidArgument(op, ": delta has shape ", ShapeString(delta), ", expected [", d.batch,
+                           ", ", d.heads, ", ", len,
+                           "] ([B, H, Tq]): with sum_dq=false the workspace holds delta only");
+  }
   return ffi::Error::Success();
 }
 
@@ -144,13 +153,13 @@ inline ffi::Error CheckAttentionBwdOperands(const char* op, const ffi::AnyBuffer
                                             const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                                             const ffi::AnyBuffer& dout,
                                             const ffi::AnyBuffer& dlse,
-                                            const ffi::AnyBuffer& delta, const AttentionDims& d) {
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", out, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dout", dout, "q", q));
+                                            const ffi::AnyBuffer& delta, const AttentionDims& d,
+                                            bool sum_dq) {
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dout", dout, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "dlse", dlse, q.element_type(), d));
-  // delta may be longer than Tq: the GPU backward's workspace (room for summed dQ tiles).
-  return CheckAttentionLse(op, "delta", delta, q.element_type(), d, /*longer=*/true);
+  return CheckAttentionDelta(op, delta, q.element_type(), d, sum_dq);
 }
 
 // Everything a backward handler takes but its gradient results (fills dims).
@@ -159,9 +168,9 @@ inline ffi::Error CheckAttentionBwd(const char* op, const ffi::AnyBuffer& q,
                                     const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                                     const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
                                     const ffi::AnyBuffer& delta, bool causal, double scale,
-                                    bool allow_f64, AttentionDims* d) {
+                                    bool sum_dq, bool allow_f64, AttentionDims* d) {
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
-  return CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d);
+  return CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d, sum_dq);
 }
 
 // dq, dk, dv like q, k, v.
@@ -169,9 +178,9 @@ inline ffi::Error CheckAttentionGrads(const char* op, const ffi::AnyBuffer& q,
                                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                       const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
                                       const ffi::AnyBuffer& dv) {
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dq", dq, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "dk", dk, "k", k));
-  return CheckSame(op, "dv", dv, "v", v);
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dq", dq, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dk", dk, "k", k));
+  return CheckLike(op, "dv", dv, "v", v);
 }
 
 // dqkv [B, T, 3, H, D] of q's dtype, with Tq == Tk.

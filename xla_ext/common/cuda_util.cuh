@@ -1,93 +1,15 @@
-// Helpers shared by the CUDA handlers: error checks, bf16/float conversion, 16-byte packs,
-// warp and group reductions, and the device's multiprocessor count.
+// Device-side helpers shared by the CUDA kernels: bf16/float conversion, 16-byte packs, loads
+// and stores that skip L1, asynchronous copies to shared memory, and warp and group reductions.
+// The host side (launches, device queries) is common/cuda_launch.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
-#include "common/ffi_util.h"
-
 namespace blujax {
-
-// What every CUDA handler binds: the stream to launch on and the device it belongs to. Handlers
-// only launch kernels on that stream (no allocation, no synchronisation), so all are marked safe
-// to capture in CUDA graphs (XLA command buffers).
-using Stream = ffi::PlatformStream<cudaStream_t>;
-using Device = ffi::DeviceOrdinal;
-constexpr auto kGraphSafe = {ffi::Traits::kCmdBufferCompatible};
-
-// After a launch: turn a CUDA error into an ffi::Error naming the op.
-inline ffi::Error LastCudaError(const char* op) {
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// Multiprocessor count of a device, looked up once (handlers run inside CUDA-graph capture,
-// where only non-stream queries are allowed; this is one).
-inline int SmCount(int device) {
-  static std::atomic<int> cache[64];
-  if (device < 0 || device >= 64) device = 0;
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
-      n = 132;  // a sizing hint only; every grid below is also correct with any count
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// The most shared memory one block may use once its kernel opts in (cudaFuncSetAttribute with
-// cudaFuncAttributeMaxDynamicSharedMemorySize), looked up once per device like SmCount.
-inline int MaxSharedMemoryPerBlockOptin(int device) {
-  static std::atomic<int> cache[64];
-  if (device < 0 || device >= 64) device = 0;
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-            cudaSuccess ||
-        n <= 0) {
-      cudaGetLastError();  // not an error of the launch that follows
-      n = 48 << 10;        // what every device gives without opting in
-    }
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// The dynamic shared memory one block of kKernel may use on `device`: raised once per device
-// from the default 48 KB to all the device lets one block have (with the L1/shared split
-// tilted to shared memory), and cached. cudaFuncSetAttribute is not a stream operation, so
-// this is safe inside CUDA-graph capture; it is kept off the per-launch path all the same.
-// 0 if that failed: the caller then takes a path that needs less.
-template <auto kKernel>
-size_t SharedMemoryLimit(int device) {
-  static std::atomic<int64_t> cache[64];  // 0: not yet asked; -1: failed
-  if (device < 0 || device >= 64) device = 0;
-  int64_t limit = cache[device].load(std::memory_order_relaxed);
-  if (limit == 0) {
-    cudaFuncAttributes attr;
-    limit = -1;
-    if (cudaFuncGetAttributes(&attr, kKernel) == cudaSuccess) {
-      const int64_t want = int64_t(MaxSharedMemoryPerBlockOptin(device)) -
-                           static_cast<int64_t>(attr.sharedSizeBytes);
-      if (want > 0 && cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(want)) == cudaSuccess) {
-        limit = want;
-        cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);  // a hint
-      }
-    }
-    cudaGetLastError();  // a failure here is not an error of the launch that follows
-    cache[device].store(limit, std::memory_order_relaxed);
-  }
-  return limit > 0 ? static_cast<size_t>(limit) : 0;
-}
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -109,11 +31,6 @@ __device__ __forceinline__ Pack<T> LoadPack(const T* p) {
   Pack<T> out;
   *reinterpret_cast<uint4*>(&out) = __ldg(reinterpret_cast<const uint4*>(p));
   return out;
-}
-
-template <typename T>
-__device__ __forceinline__ void StorePack(T* p, const Pack<T>& v) {
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
 }
 
 // Bfloat16 k (0: the low half, at the lower address; 1: the high half) of a 32-bit word, as a
@@ -151,11 +68,9 @@ __device__ __forceinline__ Pack<T> PackFromFloats(const float (&f)[Pack<T>::kSiz
 }
 
 // Loads and stores that do not allocate in L1 and keep L2's default policy, for rows read or
-// written once. In the LayerNorm kernels on an H100 (benchmarks/RESULTS.md) they beat the
-// streaming forms (__ldcs, __stcs: evict-first) that the kernels used before: forward 2-4%
-// faster at C = 768 and 2% at bfloat16 C = 3072 (1% slower at bfloat16 C = 4096), backward up
-// to 2% faster; plain write-back stores were up to 3% slower than either in the bfloat16
-// backward.
+// written once. In the LayerNorm kernels they measured faster on the whole than the streaming
+// forms (__ldcs, __stcs: evict-first) and, as stores, than plain write-back ones (the
+// experiment log, benchmarks/LOG.md).
 template <typename T>
 __device__ __forceinline__ Pack<T> LoadPackNoL1(const T* p) {
   Pack<T> out;
@@ -185,20 +100,41 @@ __device__ __forceinline__ void StorePackNoL1(T* p, const Pack<T>& v) {
                : "memory");
 }
 
+// A generic pointer into shared memory as the 32-bit shared-memory address that PTX's
+// .shared instructions take.
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // 16 bytes from global to shared memory without passing through registers (sm_80+: cp.async,
 // L1 bypassed); the copies a thread has issued since its last commit form one group, and
 // CopyAsyncWait<N> returns once all but the newest N of its groups have landed. Each thread
 // waits only on its own copies, so a thread that reads back only what it copied needs no
 // barrier.
-// CopyAsync16At takes the shared-memory address as a 32-bit offset (__cvta_generic_to_shared),
-// which a loop can keep in one register instead of a generic pointer's two.
+// CopyAsync16At takes the shared-memory address as a 32-bit offset (SmemAddr), which a loop
+// can keep in one register instead of a generic pointer's two.
 __device__ __forceinline__ void CopyAsync16At(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
 }
 
+// 16 (or 4) bytes as above, or where !valid nothing read and zeros written (cp.async's src-size
+// 0): a tile's rows past the end of a sequence arrive as zeros. The 4-byte form goes through L1
+// (.ca; .cg takes only 16 bytes).
+__device__ __forceinline__ void CopyAsync16OrZeros(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void CopyAsync4OrZeros(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddr(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
 __device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800
-  CopyAsync16At(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem);
+  CopyAsync16At(SmemAddr(smem), gmem);
 #else
   *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
 #endif
@@ -222,8 +158,6 @@ __device__ __forceinline__ void CopyAsyncWaitAll() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
-
-inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <int kWidth = 32>
 __device__ __forceinline__ float WarpSum(float v) {

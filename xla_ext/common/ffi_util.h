@@ -113,13 +113,22 @@ inline ffi::Error CheckCount(const char* op, const char* name, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// Same dtype and element count as `like`.
+inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions(), db = b.dimensions();
+  if (da.size() != db.size()) return false;
+  for (size_t i = 0; i < da.size(); ++i)
+    if (da[i] != db[i]) return false;
+  return true;
+}
+
+// Same dtype and shape as `like` (a result shaped like an operand, or two operands that must
+// match).
 inline ffi::Error CheckLike(const char* op, const char* name, const ffi::AnyBuffer& b,
                             const char* like_name, const ffi::AnyBuffer& like) {
   if (b.element_type() != like.element_type())
     return InvalidArgument(op, ": ", name, " is ", DtypeName(b.element_type()), " but ",
                            like_name, " is ", DtypeName(like.element_type()));
-  if (b.element_count() != like.element_count())
+  if (!SameDims(b, like))
     return InvalidArgument(op, ": ", name, " has shape ", ShapeString(b), " but ", like_name,
                            " has shape ", ShapeString(like));
   return ffi::Error::Success();

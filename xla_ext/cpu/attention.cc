@@ -188,7 +188,7 @@ ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", *out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", *out, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));  // the GPU's scratch
   return DispatchFloat(q.element_type(), [&](auto tag) {
@@ -219,11 +219,12 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                        bool causal, double scale) {
+                        bool causal, double scale, bool sum_dq) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
+  // sum_dq is the GPU's choice of kernels; here it only sets the workspace's size.
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, /*allow_f64=*/true, &d));
+                                           scale, sum_dq, /*allow_f64=*/true, &d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
   return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, dq->untyped_data(),
                           dk->untyped_data(), dv->untyped_data(), d.heads * d.head_dim,
@@ -233,11 +234,12 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                            ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dqkv,
-                           ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale) {
+                           ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale,
+                           bool sum_dq) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, /*allow_f64=*/true, &d));
+                                           scale, sum_dq, /*allow_f64=*/true, &d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
   // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
   const int64_t third = d.heads * d.head_dim * ffi::ByteWidth(q.element_type());
@@ -271,9 +273,10 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
-                           .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq]: rowsum(dout out) - dlse
+                           .Ret<ffi::AnyBuffer>()   // delta: rowsum(dout out) - dlse, [B, H, Tq]
                            .Attr<bool>("causal")
-                           .Attr<double>("scale"));  // f64: exact for f64 inputs, a float otherwise
+                           .Attr<double>("scale")   // f64: exact for f64 inputs, a float otherwise
+                           .Attr<bool>("sum_dq"));  // delta has the GPU's dQ room (left as is)
 
 XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                        ffi::Ffi::Bind()
@@ -285,9 +288,10 @@ XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                            .Arg<ffi::AnyBuffer>()   // dout [B, T, H, D]
                            .Arg<ffi::AnyBuffer>()   // dlse [B, H, T], cotangent of lse
                            .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]
-                           .Ret<ffi::AnyBuffer>()   // delta [B, H, T]: rowsum(dout out) - dlse
+                           .Ret<ffi::AnyBuffer>()   // delta: rowsum(dout out) - dlse, [B, H, T]
                            .Attr<bool>("causal")
-                           .Attr<double>("scale"));  // f64: exact for f64 inputs, a float otherwise
+                           .Attr<double>("scale")   // f64: exact for f64 inputs, a float otherwise
+                           .Attr<bool>("sum_dq"));  // delta has the GPU's dQ room (left as is)
 
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);
 BLUJAX_REGISTER(blujax_attention_bwd, kAttentionBwd);

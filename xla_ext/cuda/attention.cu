@@ -1,7 +1,11 @@
 // Scaled dot-product attention on the GPU, flash style (FlashAttention-2's schedule); the CPU
 // twin is xla_ext/cpu/attention.cc and the handler contract common/attention.h. This file has
-// the delta kernel, the launchers and the handlers; the kernels are in attention_bf16.cuh and
-// attention_f32.cuh, and what they share in attention_common.cuh.
+// the delta kernel, the launchers and the handlers. The kernels are split by architecture:
+// attention_sm80_bf16.cuh and attention_sm80_f32.cuh are the portable kernels (sm_80 and
+// later; the float32 one runs everywhere), attention_sm90_fwd.cuh and attention_sm90_bwd.cuh
+// the Hopper ones (sm_90a) for bfloat16; what all share is in attention_common.cuh, what the
+// Hopper ones share in attention_sm90_common.cuh, and the PTX wrappers in common/sm80.cuh and
+// common/sm90.cuh.
 //
 // bfloat16 runs on tensor cores (mma.sync m16n8k16, float32 accumulators), head sizes 64 and
 // 128. Every kernel has 4 warps; a warp owns 32 rows (16 in the dK/dV kernel) of the tile it
@@ -22,15 +26,15 @@
 //             tensor (rows 3 * H * D apart, Geometry::grad_stride): the gradient of a fused
 //             QKV projection, with no concatenation left for XLA to do.
 // On Hopper (compute capability 9.0, the module built for sm_90a) the bfloat16 kernels are
-// instead attention_sm90.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
+// instead attention_sm90_fwd.cuh's forward and attention_sm90_bwd.cuh's dK/dV and dQ kernels:
 // warpgroup MMAs fed by TMA copies from a producer warpgroup, with mbarriers between them
-// (FlashAttention-3's schedule). Where the workspace has room for it (the Python side gives
-// it unless XLA's deterministic mode is on or the call is causal with few keys, where too
-// few key blocks share a query tile to pay), the dK/dV kernel also computes dQ's share of its
-// keys and adds it into float32 tiles in the workspace (TMA bulk reductions), and a small
-// kernel scales them into dq: 5 products per (query, key) tile pair instead of 7, but the
-// order of the float32 sums varies from run to run. Otherwise the two-kernel, atomic-free
-// split above.
+// (FlashAttention-3's schedule). Where the call asks for it (the backward's sum_dq attribute,
+// with room for the sums in the workspace: the Python side asks unless XLA's deterministic mode
+// is on or the call is causal with few keys, where too few key blocks share a query tile to
+// pay), the dK/dV kernel also computes dQ's share of its keys and adds it into float32 tiles
+// in the workspace (TMA bulk reductions), and a small kernel scales them into dq: 5 products
+// per (query, key) tile pair instead of 7, but the order of the float32 sums varies from run
+// to run. Otherwise the two-kernel, atomic-free split above.
 // BLUJAX_NO_WGMMA=1 in the environment keeps the portable kernels there, to compare the two or
 // to test them on a Hopper GPU.
 // Causal attention skips key tiles above the diagonal and masks only tiles that cross it;
@@ -46,16 +50,17 @@
 // bank groups (a row is 128 or 256 bytes, so unswizzled they would all share one).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
+#include <type_traits>
 
 #include "common/attention.h"
+#include "common/cuda_launch.cuh"
 #include "common/cuda_util.cuh"
 #include "common/registry.h"
-#include "cuda/attention_bf16.cuh"
-#include "cuda/attention_f32.cuh"
-#include "cuda/attention_sm90.cuh"
+#include "common/sm90.cuh"
+#include "cuda/attention_sm80_bf16.cuh"
+#include "cuda/attention_sm80_f32.cuh"
+#include "cuda/attention_sm90_fwd.cuh"
 #include "cuda/attention_sm90_bwd.cuh"
 
 namespace blujax {
@@ -108,107 +113,11 @@ bool WithHeadDim(int64_t d, F&& f) {
   }
 }
 
-// Runs f() (a cudaError_t) with `device` current, then makes the caller's device current again:
-// kernel attributes are set and read for the current device, not the one we launch on.
-template <typename F>
-cudaError_t OnDevice(int device, F&& f) {
-  int current = -1;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
-  if (err == cudaSuccess) err = f();
-  if (current >= 0 && current != device) cudaSetDevice(current);
-  return err;
-}
-
-// A kernel that uses more than 48 KiB of dynamic shared memory must say so, once per device
-// (cudaFuncSetAttribute: a host-side setting, no stream work, so it is fine while XLA
-// captures a CUDA graph). One instance per kernel: a static in the kernel's launcher.
-class SmemOptIn {
- public:
-  cudaError_t Allow(const void* kernel, int bytes, int device) {
-    if (bytes <= kDefaultSmem) return cudaSuccess;
-    std::atomic<int>* done = device >= 0 && device < 64 ? &allowed_[device] : nullptr;
-    if (done && done->load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-    const cudaError_t err = OnDevice(device, [&] {
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    });
-    if (err == cudaSuccess && done) done->store(bytes, std::memory_order_relaxed);
-    return err;
-  }
-
- private:
-  std::atomic<int> allowed_[64] = {};
-};
-
-// Launches kernel<<<blocks, threads, smem>>>(args...) after the shared-memory opt-in.
-template <typename... Params, typename... Args>
-ffi::Error LaunchWith(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int64_t blocks,
-                      int threads, int smem, cudaStream_t stream, int device, Args... args) {
-  cudaError_t err = opt.Allow(reinterpret_cast<const void*>(kernel), smem, device);
-  if (err != cudaSuccess)
-    return ffi::Error::Internal(StrCat(op, ": cannot allow ", smem,
-                                       " bytes of shared memory: ", cudaGetErrorString(err)));
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(args...);
-  return LastCudaError(op);
-}
-
-// The same with kThreads, the block size of every kernel but the Hopper forward.
-template <typename... Params, typename... Args>
-ffi::Error Launch(const char* op, void (*kernel)(Params...), SmemOptIn& opt, int64_t blocks,
-                  int smem, cudaStream_t stream, int device, Args... args) {
-  return LaunchWith(op, kernel, opt, blocks, kThreads, smem, stream, device, args...);
-}
-
-// Whether the Hopper kernels run on this device: the module holds sm_90a code and the device
-// runs it (compute capability 9.0), unless BLUJAX_NO_WGMMA=1 asks for the portable kernels (to
-// compare the two, or test the portable ones on a Hopper GPU). The answer per device is kept.
-template <typename Kernel>
-bool Sm90Runs(Kernel kernel, int device) {
-  static std::atomic<int> known[64] = {};  // 0 unknown, 1 no, 2 yes
-  if (device < 0 || device >= 64) return false;
-  int state = known[device].load(std::memory_order_relaxed);
-  if (state == 0) {
-    const char* no = std::getenv("BLUJAX_NO_WGMMA");
-    cudaFuncAttributes attr{};
-    int major = 0, minor = 0;
-    bool yes = !(no && no[0] == '1') &&
-               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                   cudaSuccess &&
-               cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
-                   cudaSuccess &&
-               major == 9 && minor == 0;
-    // cudaFuncGetAttributes reports the binary the device would run.
-    yes = yes &&
-          OnDevice(device, [&] {
-            return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
-          }) == cudaSuccess &&
-          attr.binaryVersion == 90;
-    cudaGetLastError();  // a query only: leave no error behind for the launch check
-    state = yes ? 2 : 1;
-    known[device].store(state, std::memory_order_relaxed);
-  }
-  return state == 2;
-}
-
-// cuTensorMapEncodeTiled, from the driver (the module links no driver symbols, so that it loads
-// on machines without CUDA); null when the driver has none.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiledFn TensorMapEncoder() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
+// LaunchKernel with kThreads, the block size of every kernel but the Hopper ones.
+template <auto kKernel, typename... Args>
+ffi::Error Launch(const char* op, int64_t blocks, size_t smem, cudaStream_t stream, int device,
+                  Args... args) {
+  return LaunchKernel<kKernel>(op, blocks, kThreads, smem, stream, device, args...);
 }
 
 // TMA descriptor of a [B, T, H, D] bfloat16 tensor read in boxes of `rows` rows x 64 columns
@@ -239,7 +148,6 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          int* unit_counter, const Geometry& g) {
   using C = FwdSm90<D>;
-  static SmemOptIn opt, opt_counted;
   const int64_t batch = bh / g.heads;
   FwdSm90Maps maps;
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, 64));
@@ -256,50 +164,46 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   // Units of work (see UnitBlocks): fewer than 2^31, as CheckGpuLimits bounds the blocks.
   const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
   const int64_t ctas = std::min<int64_t>(units, SmCount(device));
-  auto launch = [&](auto kernel, SmemOptIn& kernel_opt) {
-    return LaunchWith(op, kernel, kernel_opt, ctas, C::kThreads, C::kSmem, stream, device, maps,
-                      lse, g, static_cast<int>(units), n_qt, lead, unit_counter);
+  auto launch = [&](auto counted) {
+    return LaunchKernel<AttentionFwdSm90Kernel<C, decltype(counted)::value>>(
+        op, ctas, C::kThreads, C::kSmem, stream, device, maps, lse, g, static_cast<int>(units),
+        n_qt, lead, unit_counter);
   };
   // Units cost the same unless a non-causal call's last block is only partly inside the
   // sequence or a causal call's middle block has no partner; then CTAs count off the units
-  // as they go. Measured on an H100 at D = 64 (192-row blocks, so T = 2^k always has such a
-  // block): every gridDim.x-th unit ran 4% slower than a CTA per block at causal T = 2048,
-  // counted units 2% faster. Where units cost the same, counting was 1-5% slower at D = 128.
-  if (g.causal ? n_qt % 2 == 0 : g.tq % C::kBM == 0)
-    return launch(AttentionFwdSm90Kernel<C, false>, opt);
+  // as they go, so that none is left with more than its share. Where units cost the same,
+  // every gridDim.x-th unit is cheaper than counting (measured; the experiment log,
+  // benchmarks/LOG.md, has the figures).
+  if (g.causal ? n_qt % 2 == 0 : g.tq % C::kBM == 0) return launch(std::false_type{});
   if (cudaMemsetAsync(unit_counter, 0, sizeof(int), stream) != cudaSuccess)
     return LastCudaError(op);
-  return launch(AttentionFwdSm90Kernel<C, true>, opt_counted);
+  return launch(std::true_type{});
 }
 
 template <int D>
 ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          int* unit_counter, const Geometry& g) {
-  // Persistent CTAs. Measured on an H100, medians of 4 interleaved rounds: at D = 64 against a
-  // CTA per block (a pair of blocks when causal) 1.10 / 1.05 / 1.00 / 1.01x at T = 1024 /
-  // 2048 / 4096 / 8192, causal 1.05 / 1.02 / 1.03 / 1.01x; at D = 128 against the persistent
-  // kernel before it (which issued a block's last O += P V with the next block's first S, and
-  // ran 1.00-1.07x a CTA per block) 1.02 / 1.10x at T = 1024 / 2048, causal 1.04 / 1.03x.
+  // Hopper: persistent CTAs (measured faster than a CTA per block, benchmarks/LOG.md).
   if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>, false>, device))
     return LaunchFwdSm90<D>(op, stream, device, bh, q, k, v, out, lse, unit_counter, g);
-  static SmemOptIn opt;
   using C = FwdBf16<D>;
   const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
-  return Launch(op, AttentionFwdBf16Kernel<C>, opt, n_qt * bh, C::kSmem, stream, device,
-                static_cast<const bf16*>(q), static_cast<const bf16*>(k),
-                static_cast<const bf16*>(v), static_cast<bf16*>(out), lse, g, n_qt);
+  return Launch<AttentionFwdBf16Kernel<C>>(
+      op, n_qt * bh, C::kSmem, stream, device, static_cast<const bf16*>(q),
+      static_cast<const bf16*>(k), static_cast<const bf16*>(v), static_cast<bf16*>(out), lse, g,
+      n_qt);
 }
 
 template <int D>
 ffi::Error LaunchFwdF32(const char* op, cudaStream_t stream, int device, int64_t bh,
                         const void* q, const void* k, const void* v, void* out, float* lse,
                         int* /*unit_counter*/, const Geometry& g) {
-  static SmemOptIn opt;
   const int n_qt = (g.tq + F32Tile<D>::kRows - 1) / F32Tile<D>::kRows;
-  return Launch(op, AttentionFwdF32Kernel<D>, opt, n_qt * bh, F32Tile<D>::kSmem, stream, device,
-                static_cast<const float*>(q), static_cast<const float*>(k),
-                static_cast<const float*>(v), static_cast<float*>(out), lse, g, n_qt);
+  return Launch<AttentionFwdF32Kernel<D>>(
+      op, n_qt * bh, F32Tile<D>::kSmem, stream, device, static_cast<const float*>(q),
+      static_cast<const float*>(k), static_cast<const float*>(v), static_cast<float*>(out), lse,
+      g, n_qt);
 }
 
 struct BwdBuffers {
@@ -307,7 +211,8 @@ struct BwdBuffers {
   const float *lse, *dlse;
   void *dq, *dk, *dv;
   float* delta;
-  float* dq_sum = nullptr;  // room for BwdKvDqSm90's dQ tiles, where the workspace has it
+  // The workspace's room for BwdKvDqSm90's dQ tiles when the call sums dQ (sum_dq), else null.
+  float* dq_sum = nullptr;
 };
 
 template <typename T, int D>
@@ -326,7 +231,6 @@ ffi::Error LaunchDelta(const char* op, cudaStream_t stream, const BwdBuffers& b,
 template <typename KV, typename Q>
 ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const BwdBuffers& b, const Geometry& g) {
-  static SmemOptIn opt_kv, opt_q;
   constexpr int D = KV::kD;
   static_assert(Q::kD == D, "one head size");
   const int64_t batch = bh / g.heads;
@@ -344,33 +248,30 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
   if (b.dq_sum) {
     // dQ summed by the dK/dV kernel into the zeroed workspace, then scaled into dq.
     using F = BwdKvDqSm90<D>;
-    static SmemOptIn opt_f;
     const int n_q64 = (g.tq + 63) / 64;
     if (cudaMemsetAsync(b.dq_sum, 0, size_t(bh) * n_q64 * 64 * D * sizeof(float), stream) !=
         cudaSuccess)
       return LastCudaError(op);
-    BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<F>, opt_f, n_kt * bh,
-                                      F::kThreads, F::kSmem, stream, device, kv_maps, b.lse,
-                                      b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
-                                      b.dq_sum, g, n_kt));
+    BLUJAX_RETURN_IF_ERROR(LaunchKernel<AttentionBwdKvSm90Kernel<F>>(
+        op, n_kt * bh, F::kThreads, F::kSmem, stream, device, kv_maps, b.lse, b.delta,
+        static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), b.dq_sum, g, n_kt));
     DqFromSums<D><<<static_cast<unsigned>(bh * n_q64), 4 * D, 0, stream>>>(
         b.dq_sum, static_cast<bf16*>(b.dq), g, n_q64);
     return LastCudaError(op);
   }
   BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
   const int n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
-  BLUJAX_RETURN_IF_ERROR(LaunchWith(op, AttentionBwdKvSm90Kernel<KV>, opt_kv, n_kt * bh,
-                                    KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse,
-                                    b.delta, static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv),
-                                    nullptr, g, n_kt));
-  return LaunchWith(op, AttentionBwdQSm90Kernel<Q>, opt_q, n_qt * bh, Q::kThreads, Q::kSmem,
-                    stream, device, q_maps, b.lse, b.delta, static_cast<bf16*>(b.dq), g, n_qt);
+  BLUJAX_RETURN_IF_ERROR(LaunchKernel<AttentionBwdKvSm90Kernel<KV>>(
+      op, n_kt * bh, KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse, b.delta,
+      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), nullptr, g, n_kt));
+  return LaunchKernel<AttentionBwdQSm90Kernel<Q>>(op, n_qt * bh, Q::kThreads, Q::kSmem, stream,
+                                                  device, q_maps, b.lse, b.delta,
+                                                  static_cast<bf16*>(b.dq), g, n_qt);
 }
 
 template <int D>
 ffi::Error LaunchBwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const BwdBuffers& b, const Geometry& g) {
-  static SmemOptIn opt_kv, opt_q;
   if (Sm90Runs(AttentionBwdKvSm90Kernel<BwdKvSm90<D>>, device)) {
     return LaunchBwdSm90<BwdKvSm90<D>, BwdQSm90<D>>(op, stream, device, bh, b, g);
   }
@@ -379,26 +280,27 @@ ffi::Error LaunchBwdBf16(const char* op, cudaStream_t stream, int device, int64_
   const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
   auto q = static_cast<const bf16*>(b.q), k = static_cast<const bf16*>(b.k);
   auto v = static_cast<const bf16*>(b.v), dout = static_cast<const bf16*>(b.dout);
-  BLUJAX_RETURN_IF_ERROR(Launch(op, AttentionBwdKvBf16Kernel<D>, opt_kv, n_kt * bh, KV::kSmem,
-                                stream, device, q, k, v, dout, b.lse, b.delta,
-                                static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), g, n_kt));
-  return Launch(op, AttentionBwdQBf16Kernel<Q>, opt_q, n_qt * bh, Q::kSmem, stream, device, q, k,
-                v, dout, b.lse, b.delta, static_cast<bf16*>(b.dq), g, n_qt);
+  BLUJAX_RETURN_IF_ERROR(Launch<AttentionBwdKvBf16Kernel<D>>(
+      op, n_kt * bh, KV::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
+      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), g, n_kt));
+  return Launch<AttentionBwdQBf16Kernel<Q>>(op, n_qt * bh, Q::kSmem, stream, device, q, k, v,
+                                            dout, b.lse, b.delta, static_cast<bf16*>(b.dq), g,
+                                            n_qt);
 }
 
 template <int D>
 ffi::Error LaunchBwdF32(const char* op, cudaStream_t stream, int device, int64_t bh,
                         const BwdBuffers& b, const Geometry& g) {
-  static SmemOptIn opt_kv, opt_q;
   using C = F32Tile<D>;
   const int n_kt = (g.tk + C::kRows - 1) / C::kRows, n_qt = (g.tq + C::kRows - 1) / C::kRows;
   auto q = static_cast<const float*>(b.q), k = static_cast<const float*>(b.k);
   auto v = static_cast<const float*>(b.v), dout = static_cast<const float*>(b.dout);
-  BLUJAX_RETURN_IF_ERROR(Launch(op, AttentionBwdKvF32Kernel<D>, opt_kv, n_kt * bh, C::kSmem,
-                                stream, device, q, k, v, dout, b.lse, b.delta,
-                                static_cast<float*>(b.dk), static_cast<float*>(b.dv), g, n_kt));
-  return Launch(op, AttentionBwdQF32Kernel<D>, opt_q, n_qt * bh, C::kSmem, stream, device, q, k,
-                v, dout, b.lse, b.delta, static_cast<float*>(b.dq), g, n_qt);
+  BLUJAX_RETURN_IF_ERROR(Launch<AttentionBwdKvF32Kernel<D>>(
+      op, n_kt * bh, C::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
+      static_cast<float*>(b.dk), static_cast<float*>(b.dv), g, n_kt));
+  return Launch<AttentionBwdQF32Kernel<D>>(op, n_qt * bh, C::kSmem, stream, device, q, k, v,
+                                           dout, b.lse, b.delta, static_cast<float*>(b.dq), g,
+                                           n_qt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,7 +346,7 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSame(op, "out", *out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", *out, "q", q));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));
   BLUJAX_RETURN_IF_ERROR(CheckGpuLimits(
@@ -464,12 +366,12 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   return result;
 }
 
-// The float32 room after delta's B * H * Tq values (rounded up to 16 bytes) for the dQ tiles
-// of BwdKvDqSm90, B * H * ceil(Tq / 64) tiles of 64 x D; null where the workspace is smaller.
-float* DqSumRoom(ffi::AnyBuffer& delta, const AttentionDims& d) {
+// With sum_dq, the room for BwdKvDqSm90's dQ tiles (B * H * ceil(Tq / 64) tiles of 64 x D,
+// float32) after delta's B * H * Tq values, rounded up to 16 bytes; the workspace holds it
+// (CheckAttentionDelta: B * H * AttentionDqRoom values more than delta). Null without sum_dq.
+float* DqSumRoom(ffi::AnyBuffer& delta, const AttentionDims& d, bool sum_dq) {
+  if (!sum_dq) return nullptr;
   const int64_t rows = (d.batch * d.heads * d.q_len + 3) / 4 * 4;
-  const int64_t need = rows + d.batch * d.heads * ((d.q_len + 63) / 64) * 64 * d.head_dim;
-  if (static_cast<int64_t>(delta.element_count()) < need) return nullptr;
   return static_cast<float*>(delta.untyped_data()) + rows;
 }
 
@@ -498,17 +400,18 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                         ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale) {
+                        ffi::Result<ffi::AnyBuffer> delta, bool causal, double scale,
+                        bool sum_dq) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, /*allow_f64=*/false, &d));
+                                           scale, sum_dq, /*allow_f64=*/false, &d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
   BwdBuffers b{q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
                dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
                static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
                dk->untyped_data(), dv->untyped_data(), static_cast<float*>(delta->untyped_data())};
-  b.dq_sum = DqSumRoom(*delta, d);
+  b.dq_sum = DqSumRoom(*delta, d, sum_dq);
   return AttentionBwdImpl(op, stream, device, d, MakeGeometry(d, causal, scale),
                           q.element_type(), b);
 }
@@ -517,11 +420,11 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                            ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                            ffi::Result<ffi::AnyBuffer> dqkv, ffi::Result<ffi::AnyBuffer> delta,
-                           bool causal, double scale) {
+                           bool causal, double scale, bool sum_dq) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
   BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, /*allow_f64=*/false, &d));
+                                           scale, sum_dq, /*allow_f64=*/false, &d));
   BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
   // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
   Geometry g = MakeGeometry(d, causal, scale);
@@ -532,7 +435,7 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
                static_cast<const float*>(dlse.untyped_data()), base, base + third,
                base + 2 * third, static_cast<float*>(delta->untyped_data())};
-  b.dq_sum = DqSumRoom(*delta, d);
+  b.dq_sum = DqSumRoom(*delta, d, sum_dq);
   return AttentionBwdImpl(op, stream, device, d, g, q.element_type(), b);
 }
 
@@ -566,9 +469,10 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
                            .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
-                           .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq] f32, scratch
+                           .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq (+ dQ room)] f32, scratch
                            .Attr<bool>("causal")
-                           .Attr<double>("scale"),  // f64 as on the CPU; the kernels use a float
+                           .Attr<double>("scale")   // f64 as on the CPU; the kernels use a float
+                           .Attr<bool>("sum_dq"),   // sum dQ in the dK/dV kernel (Hopper bf16)
                        kGraphSafe);
 
 XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
@@ -583,9 +487,10 @@ XLA_FFI_DEFINE_HANDLER(kAttentionQkvBwd, AttentionQkvBwd,
                            .Arg<ffi::AnyBuffer>()   // dout [B, T, H, D]
                            .Arg<ffi::AnyBuffer>()   // dlse [B, H, T], cotangent of lse
                            .Ret<ffi::AnyBuffer>()   // dqkv [B, T, 3, H, D]: dq, dk, dv
-                           .Ret<ffi::AnyBuffer>()   // delta [B, H, T] f32, scratch
+                           .Ret<ffi::AnyBuffer>()   // delta [B, H, T (+ dQ room)] f32, scratch
                            .Attr<bool>("causal")
-                           .Attr<double>("scale"),  // f64 as on the CPU; the kernels use a float
+                           .Attr<double>("scale")   // f64 as on the CPU; the kernels use a float
+                           .Attr<bool>("sum_dq"),   // sum dQ in the dK/dV kernel (Hopper bf16)
                        kGraphSafe);
 
 BLUJAX_REGISTER(blujax_attention_fwd, kAttentionFwd);

@@ -1,6 +1,7 @@
 // What every attention kernel on the GPU shares (xla_ext/cuda/attention.cu says how they fit
-// together): the problem geometry, block coordinates, PTX wrappers for cp.async, ldmatrix and
-// mma.sync, and the shared-memory tile layout and loads.
+// together): the problem geometry, block coordinates, and the shared-memory tile layout and
+// loads of the sm80 kernels. The PTX wrappers they use are in common/sm80.cuh (ldmatrix,
+// mma.sync) and common/cuda_util.cuh (cp.async).
 
 #pragma once
 
@@ -8,17 +9,15 @@
 #include <cstdint>
 
 #include "common/cuda_util.cuh"
+#include "common/sm80.cuh"
 
 namespace blujax {
 namespace {
-
-using bf16 = __nv_bfloat16;
 
 constexpr int kThreads = 128;  // 4 warps, in every attention kernel
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kDefaultSmem = 48 << 10;  // dynamic shared memory a kernel gets without opting in
 
 // What every kernel knows about the problem. [B, T, H, D] tensors: one (batch, head) slice is
 // T rows of D elements, H * D apart.
@@ -63,78 +62,6 @@ __device__ __forceinline__ int KeyTiles(const Geometry& g, int q0, int rows, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// PTX wrappers.
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared without blocking; when !valid nothing is read and zeros are
-// written (cp.async's src-size 0).
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)),
-               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsync4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SmemAddr(dst)),
-               "l"(__cvta_generic_to_global(src)), "r"(valid ? 4 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void CpAsyncWaitAll() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// Four 8x8 bfloat16 matrices from shared memory; lane i gives the address of row i % 8 of
-// matrix i / 8, and register r receives matrix r in the mma operand layout (.trans: transposed).
-__device__ __forceinline__ void LdMatrix(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p))
-               : "memory");
-}
-
-__device__ __forceinline__ void LdMatrixTrans(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p))
-               : "memory");
-}
-
-// c += a b for a 16x16 A (row major) and a 16x8 B (column major). Per lane, with
-// g = lane / 4 and t = lane % 4: c = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)};
-// a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)}; b = {(2t..2t+1, g), (2t+8.., g)}.
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// The A operand of a k-step over columns 16kk..16kk+15 from accumulators c[n] of columns
-// 8n..8n+7: an mma's output layout is its successor's input layout, so no data moves.
-template <int kN>
-__device__ __forceinline__ void AccToOperand(uint32_t (&a)[4], const float (&c)[kN][4], int kk) {
-  a[0] = PackBf16(c[2 * kk][0], c[2 * kk][1]);
-  a[1] = PackBf16(c[2 * kk][2], c[2 * kk][3]);
-  a[2] = PackBf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-  a[3] = PackBf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Shared-memory tiles.
 
 // Element offset of 16-byte chunk `chunk` of row `row` in a swizzled bfloat16 tile.
@@ -157,7 +84,7 @@ __device__ __forceinline__ void LoadTile(T* smem, const T* head, int64_t stride,
     const bool valid = row0 + r < n_rows;
     const T* src = head + (valid ? int64_t(row0 + r) * stride : 0) + ch * kPack;
     T* dst = smem + (kSwizzle ? Swz<kChunks>(r, ch) : (r * kChunks + ch) * kPack);
-    CpAsync16(dst, src, valid);
+    CopyAsync16OrZeros(dst, src, valid);
   }
 }
 
@@ -167,7 +94,7 @@ __device__ __forceinline__ void LoadStats(float* smem, const float* row_stats, i
   static_assert(kRows <= kThreads, "one value per thread");
   if (threadIdx.x < kRows) {
     const bool valid = row0 + int(threadIdx.x) < n;
-    CpAsync4(smem + threadIdx.x, row_stats + (valid ? row0 + threadIdx.x : 0), valid);
+    CopyAsync4OrZeros(smem + threadIdx.x, row_stats + (valid ? row0 + threadIdx.x : 0), valid);
   }
 }
 

@@ -1,10 +1,10 @@
 // The bfloat16 attention backward on Hopper (sm_90a): the portable backward's two kernels (dK
-// and dV per key block, dQ per query block; attention_bf16.cuh) rebuilt on warpgroup MMAs fed
-// by TMA, as the forward in attention_sm90.cuh is (attention.cu has the overview, the launchers
-// and the handlers). Both keep the portable kernels' properties: each output element is written
-// by one CTA, so the result is deterministic, and no float32 scratch the size of dQ is needed.
-// The dK/dV kernel can instead sum dQ as well (BwdKvDqSm90, below), and the dQ kernel is not
-// run.
+// and dV per key block, dQ per query block; attention_sm80_bf16.cuh) rebuilt on warpgroup MMAs
+// fed by TMA, as the forward in attention_sm90_fwd.cuh is (attention.cu has the overview, the
+// launchers and the handlers). Both keep the portable kernels' properties: each output element
+// is written by one CTA, so the result is deterministic, and no float32 scratch the size of dQ
+// is needed. The dK/dV kernel can instead sum dQ as well (BwdKvDqSm90, below; the call's
+// sum_dq attribute), and the dQ kernel is not run.
 //
 // Every product has one of the two forms the forward uses: a "scores" form, A and B both
 // K-major tiles in shared memory (S = Q K^T; here also S^T = K Q^T, dP^T = V dO^T, dP = dO V^T),
@@ -20,8 +20,8 @@
 // and dO once, then K and V of every key tile into kStages buffers. Per key tile j a consumer
 // warpgroup issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that
 // product runs (the forward's schedule, with dS in place of P); the two warpgroups take turns
-// to issue (Turns). The dK/dV kernel does not: turns before its S^T and dP^T measured 3-7%
-// slower in causal calls on an H100, and no faster in the others.
+// to issue (Turns). The dK/dV kernel does not: turns before its S^T and dP^T measured slower
+// in causal calls, and no faster in the others.
 // Causal: a warpgroup lets pass the tiles in which none of its (query, key) pairs survive the
 // mask (a query tile before all its keys, a key tile after all its rows), still waiting for
 // each and releasing it so that the buffers' mbarriers count its arrival.
@@ -32,18 +32,17 @@
 // dQ's columns 64 at a time in S^T's registers (free by then) and stages them as float32 in
 // its own buffer; the other only signals that its half is in and goes on to the next tile.
 // So the two fall half a tile apart and one's exponentials run beside the other's products
-// (1.02-1.07x forward+backward at D = 64 and 1.00-1.02x at D = 128 on an H100, against both
-// computing half of dQ's columns after a barrier every tile, which kept them in step). The
-// producer's third warp adds each staged tile into the workspace with one bulk reduction
-// (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so the owner does
-// not wait on the sums. The CTA's share of dQ leaves it once per query tile: over a call
-// the sums move Tk / 128 times dQ's float32 size through L2. Measured on an H100: 1.07-1.23x
-// the two kernels' forward+backward at T >= 2048 and non-causal T = 1024 (D = 64 and 128);
-// with the turns also 1.11x / 1.05x at causal T = 1024 (D = 64 / 128), but 0.92x at causal
-// T = 256, D = 64 and 0.97x at T = 768, D = 128, so the Python side keeps the two kernels for
-// causal calls up to 512 / 768 keys (CAUSAL_TWO_KERNEL_KEYS). Issuing the dQ product behind
-// the next tile's S^T and dP^T instead of waiting for it (before the turns) made ptxas
-// serialise the wgmmas (C7514) and ran 0.92-1.08x.
+// (measured faster than both computing half of dQ's columns after a barrier every tile, which
+// kept them in step). The producer's third warp adds each staged tile into the workspace with
+// one bulk reduction (cp.reduce.async.bulk .add.f32) and frees the buffer once it is read, so
+// the owner does not wait on the sums. The CTA's share of dQ leaves it once per query tile:
+// over a call the sums move Tk / 128 times dQ's float32 size through L2. Against the two
+// kernels it runs forward+backward faster, but for causal calls of few keys, where a query
+// tile gets the shares of too few key blocks to repay zeroing and converting the sums: the
+// Python side keeps the two kernels there (CAUSAL_TWO_KERNEL_KEYS). Issuing the dQ product
+// behind the next tile's S^T and dP^T instead of waiting for it (before the turns) made ptxas
+// serialise the wgmmas (C7514), and gained nothing. The figures are in the experiment log
+// (benchmarks/LOG.md).
 
 #pragma once
 
@@ -60,23 +59,6 @@ struct BwdSm90Maps {
 // ---------------------------------------------------------------------------------------------
 // dQ summed by the dK/dV kernel.
 
-// acc (64 x 64) (+)= A B over 16 keys: A a K-major shared-memory tile (dS), B a transposed
-// (MN-major) one (K's rows of keys, 64 of its columns).
-#define BLUJAX_D4(n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
-__device__ __forceinline__ void WgmmaTransB(float (&d)[8][4], uint64_t a, uint64_t b,
-                                            int accumulate) {
-#ifdef BLUJAX_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, "
-      "%7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
-      : BLUJAX_D4(0), BLUJAX_D4(1), BLUJAX_D4(2), BLUJAX_D4(3), BLUJAX_D4(4), BLUJAX_D4(5),
-        BLUJAX_D4(6), BLUJAX_D4(7)
-      : "l"(a), "l"(b), "r"(accumulate));
-#endif
-}
-#undef BLUJAX_D4
 // 64 columns of a dQ tile (64 queries x D) = dS K: dS [64][128 keys] as two swizzled 64-key
 // halves, kcols the [128 keys][64] half of the K tile that holds the columns.
 __device__ __forceinline__ void IssueDsK(float (&acc)[8][4], const bf16* ds, const bf16* kcols) {
@@ -126,13 +108,6 @@ __device__ __forceinline__ void StoreDqChunk(float* tile, const float (&acc)[8][
 // 2 + buf "tile buf staged" (warpgroup buf arrives, the summing warp waits) and 4 + buf "tile
 // buf read out" (the other way round), 160 threads; 6 + buf "both halves of dS buffer buf
 // in" (the other warpgroup arrives, warpgroup buf waits), 256. Barrier 1 is the consumers'.
-__device__ __forceinline__ void NamedBarrier(int id, int threads, bool arrive) {
-  if (arrive) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-  } else {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-  }
-}
 __device__ __forceinline__ void DqTileFull(int buf, bool arrive) {
   NamedBarrier(2 + buf, 128 + 32, arrive);
 }
@@ -143,23 +118,13 @@ __device__ __forceinline__ void DsHalvesIn(int buf, bool arrive) {
   NamedBarrier(6 + buf, 256, arrive);
 }
 
-// global[0, bytes) += shared[0, bytes) in float32, by the TMA unit (a bulk reduction).
-__device__ __forceinline__ void BulkReduceAdd(float* global, const float* shared, int bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-      "cp.async.bulk.commit_group;\n" ::"l"(global),
-      "r"(SmemAddr(shared)), "r"(bytes)
-      : "memory");
-}
-
 // dq (bfloat16, [B, Tq, H, D], rows g.grad_stride apart) = scale * the summed tiles, one CTA
 // of 4 D threads per tile, a thread per chunk (StoreDqChunk has the order). Both sides go
 // through shared memory so that every warp reads and writes whole contiguous runs: the tile
 // in as it lies, then each thread's chunk out of it, and the bfloat16 tile back in as rows,
-// written out 16 bytes a thread along each row. With a chunk a thread straight from and to
-// global memory (four 16-byte loads 64 bytes apart per warp instruction, and 64-byte pieces
-// of rows) the kernel took 164 us at B64 T1024 H12 D64 on an H100; reads through shared
-// memory 140 us; writes too 100 us (3.0 TB/s; cuDNN's conversion kernel: 114 us).
+// written out 16 bytes a thread along each row. A chunk a thread straight from and to global
+// memory (four 16-byte loads 64 bytes apart per warp instruction, and 64-byte pieces of rows)
+// measured slower, and each side through shared memory faster (benchmarks/LOG.md).
 // Pads keep the shared-memory accesses free of bank conflicts: a float4 after every 8 (a
 // quarter warp reads chunks 64 bytes apart), and 16 bytes after every row (it writes 8 rows).
 template <int D>
@@ -222,9 +187,9 @@ struct BwdKvSm90Cfg {
 };
 
 // dK and dV take D / 2 accumulator registers each per thread; 64-query tiles leave room for
-// S^T, dP^T and their bfloat16 operands beside them at D = 128. Measured on an H100: 128-query
-// tiles at D = 64, three buffers, and issuing the next tile's S^T and dP^T behind this tile's
-// dV and dK products were each the same or 3-6% slower.
+// S^T, dP^T and their bfloat16 operands beside them at D = 128. 128-query tiles at D = 64,
+// three buffers, and issuing the next tile's S^T and dP^T behind this tile's dV and dK products
+// each measured the same or slower.
 template <int D>
 using BwdKvSm90 = BwdKvSm90Cfg<D, 64, 2>;
 
@@ -450,9 +415,8 @@ struct BwdQSm90Cfg {
                                8 * KvStream<kStages>::kBarriers + 1024;
 };
 
-// Measured on an H100 (benchmarks/RESULTS.md): three K/V buffers run forward+backward 10-13%
-// faster than two (the next tile's copy has a tile more to arrive); four gain nothing more, nor
-// do 128-key tiles or three warpgroups.
+// Three K/V buffers: the next tile's copy has a tile more to arrive than with two (measured
+// faster; four gain nothing more, nor do 128-key tiles or three warpgroups).
 template <int D>
 using BwdQSm90 = BwdQSm90Cfg<D, 2, 64, 3>;
 

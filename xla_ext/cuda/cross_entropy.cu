@@ -24,6 +24,7 @@
 #include <cfloat>
 
 #include "common/cross_entropy.h"
+#include "common/cuda_launch.cuh"
 #include "common/cuda_util.cuh"
 #include "common/registry.h"
 

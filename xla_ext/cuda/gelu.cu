@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/cuda_launch.cuh"
 #include "common/cuda_util.cuh"
 #include "common/gelu.h"
 #include "common/registry.h"
@@ -37,8 +38,8 @@ constexpr int kMaxWidth = 32;    // column vectors in a tile row: one warp
 // with 1024 threads an SM keeps well over the ~20 KiB per SM that HBM3's latency asks for.
 template <int kVec> __host__ __device__ constexpr int UnrollFor() { return kVec >= 8 ? 2 : 4; }
 // The forward's blocks each pass once over their vectors, and for float32 vectors many small
-// blocks beat fewer longer-lived ones: one vector a thread ran at 1.00-1.01x of XLA's fusion on
-// an H100 where four ran at 0.97-0.99x; bfloat16 kept two (one measured 1% slower).
+// blocks beat fewer longer-lived ones: one vector a thread kept up with XLA's fusion where four
+// fell behind; bfloat16 kept two (one measured slower).
 template <int kVec> __host__ __device__ constexpr int FwdUnrollFor() {
   return kVec == 4 ? 1 : UnrollFor<kVec>();
 }
@@ -297,8 +298,7 @@ inline BiasGrid PlanBiasGrid(int device, int blocks_per_sm, int64_t rows, int64_
   g.tiles = (vecs + width - 1) / width;
   const int64_t target = int64_t(SmCount(device)) * blocks_per_sm;
   // Whole waves only: with tiles x groups just over one wave, the few blocks left over run
-  // their full share of rows alone afterwards (bfloat16 16384 x 4096: 400 blocks for 396 slots
-  // ran at 64% of copy bandwidth).
+  // their full share of rows alone afterwards, and the whole takes nearly two waves' time.
   g.groups = std::max<int64_t>(1, target / g.tiles);
   if (one_pass_rows > 0) {
     const int64_t per_group = rows_per_block * one_pass_rows;
@@ -312,8 +312,8 @@ inline BiasGrid PlanBiasGrid(int device, int blocks_per_sm, int64_t rows, int64_
 
 // The flat kernels' grid: one wave of blocks striding over the tensor (the backward, whose
 // loads are twice as many), or one block per kThreads * kUnroll vectors, each block passing
-// once (the forward: with a wave of blocks each waiting on its own loads, it ran at 0.94x of
-// XLA's one-pass elementwise fusion in float32).
+// once (the forward: with a wave of blocks each waiting on its own loads, it fell behind XLA's
+// one-pass elementwise fusion in float32).
 template <int kVec>
 unsigned FlatBlocks(int device, int64_t vecs, bool one_pass) {
   const int64_t unroll = one_pass ? FwdUnrollFor<kVec>() : UnrollFor<kVec>();

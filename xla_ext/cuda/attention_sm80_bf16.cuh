@@ -1,5 +1,7 @@
-// The bfloat16 attention kernels, on tensor cores: forward, dK/dV and dQ
-// (xla_ext/cuda/attention.cu has the overview, the launchers and the handlers).
+// The portable bfloat16 attention kernels (sm_80 and later), on tensor cores (mma.sync):
+// forward, dK/dV and dQ. On Hopper the sm90 kernels replace them (attention_sm90_fwd.cuh,
+// attention_sm90_bwd.cuh); xla_ext/cuda/attention.cu has the overview, the launchers and the
+// handlers.
 
 #pragma once
 
@@ -88,9 +90,9 @@ struct FwdBf16Cfg {
   static constexpr int kSmem = (kBM + 4 * kBN) * D * int(sizeof(bf16));  // Q, 2 x (K, V)
 };
 
-// Measured on an H100 (benchmarks/RESULTS.md): kMT = 2 runs 7-21% faster than kMT = 1. At
-// D = 64, 64-key tiles with Q in registers (248 registers, no spills); at D = 128, 32-key tiles
-// with Q re-read (254 registers; Q in registers or 64-key tiles spill and lose 1-20%).
+// kMT = 2 (measured faster than kMT = 1, benchmarks/LOG.md). At D = 64, 64-key tiles with Q in
+// registers (no spills); at D = 128, 32-key tiles with Q re-read (Q in registers or 64-key
+// tiles spill, and measured slower).
 template <int D>
 using FwdBf16 = FwdBf16Cfg<D, 2, D == 64 ? 64 : 32, D == 64>;
 
@@ -121,7 +123,7 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   LoadTile<BM, D, true>(sQ, qh, stride, q0, g.tq);
   LoadTile<BN, D, true>(sK, kh, stride, 0, g.tk);
   LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
-  CpAsyncCommit();
+  CopyAsyncCommit();
 
   uint32_t qf[C::kQRegs ? MT : 1][C::kQRegs ? D / 16 : 1][4];
   float o[MT][D / 8][4] = {};
@@ -134,14 +136,14 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   };
 
   for (int j = 0; j < n_kt; ++j) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();  // tile j is in; every warp is done with tile j - 1's buffer
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
       LoadTile<BN, D, true>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
       LoadTile<BN, D, true>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     if constexpr (C::kQRegs) {
       if (j == 0) {
 #pragma unroll
@@ -318,12 +320,12 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   LoadTile<BM, D, true>(sdO, doh, stride, first * BM, g.tq);
   LoadStats<BM>(sL, lh, first * BM, g.tq);
   LoadStats<BM>(sDl, dlh, first * BM, g.tq);
-  CpAsyncCommit();
+  CopyAsyncCommit();
 
   float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
   uint32_t kf[C::kKvRegs ? D / 16 : 1][4], vf[C::kKvRegs ? D / 16 : 1][4];
   for (int i = first; i < n_qt; ++i) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();
     if constexpr (C::kKvRegs) {
       if (i == first) {
@@ -342,7 +344,7 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
       LoadStats<BM>(sL + nb * BM, lh, r0, g.tq);
       LoadStats<BM>(sDl + nb * BM, dlh, r0, g.tq);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     const int buf = (i - first) & 1, q0 = i * BM;
     const bf16* cQ = sQ + buf * BM * D;
     const bf16* cdO = sdO + buf * BM * D;
@@ -414,7 +416,7 @@ struct BwdQBf16Cfg {
   static constexpr int kSmem = (2 * kBM + 4 * kBN) * D * int(sizeof(bf16));  // Q, dO, 2 x (K, V)
 };
 
-// kMT = 2 with 32-key tiles: 1-4% faster per forward+backward than 64 rows x 64 keys (and
+// kMT = 2 with 32-key tiles: measured faster per forward+backward than 64 rows x 64 keys (and
 // than 128 x 64, which spills at D = 128).
 template <int D>
 using BwdQBf16 = BwdQBf16Cfg<D, 2, 32>;
@@ -449,7 +451,7 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   LoadTile<BM, D, true>(sdO, dout + q_off, stride, q0, g.tq);
   LoadTile<BN, D, true>(sK, kh, stride, 0, g.tk);
   LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
-  CpAsyncCommit();
+  CopyAsyncCommit();
 
   // Per-row statistics of rows wrow + 16 mt + gr (+ 8); rows past Tq are masked below.
   float lse2[MT][2], dl[MT][2];
@@ -465,20 +467,20 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
   float dq_acc[MT][D / 8][4] = {};
   for (int j = 0; j < n_kt; ++j) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
       LoadTile<BN, D, true>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
       LoadTile<BN, D, true>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     const bf16* cK = sK + (j & 1) * BN * D;
     const bf16* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
     // Causal: a tile whose keys all come after this warp's last row adds nothing to its dQ
-    // (the block's later rows need the tile). The same skip in the forward measured 0-8%
-    // slower at D = 128, so it is not there.
+    // (the block's later rows need the tile). The same skip in the forward measured slower at
+    // D = 128, so it is not there.
     if (g.causal && q0 + wrow + 16 * MT - 1 < k0) continue;
 
     // S = Q K^T and dP = dO V^T: this warp's 16 * MT rows x BN keys. The Q and dO operands

@@ -17,7 +17,7 @@
 //   waits for S_j and runs the online softmax on its registers (the per-thread layout of
 //   mma.sync's accumulators) while the second product is still on the tensor cores,
 //   then waits for that product and rescales O.
-// The warpgroups take turns to issue their products (Turns, attention_sm90_common.cuh).
+// The warpgroups take turns to issue their products (Turns, common/sm90.cuh).
 // A finished block's rows leave the way its Q came: each warp stages its 16 rows of O in the
 // block's Q buffer and one of its threads has the TMA unit store them; the buffer is given back
 // in the next block, once the stores have read it.
@@ -55,11 +55,9 @@ struct FwdSm90Cfg {
   static constexpr int kSmem = (2 * kBM + 4 * kBN) * D * int(sizeof(bf16)) + 128 + 1024;
 };
 
-// Measured on an H100 (benchmarks/RESULTS.md): D = 64 runs up to 19% faster with three
-// consumer warpgroups than with two (the same at T = 1024 causal): its softmax costs about as
-// much as its products, and a third warpgroup hides more of it. D = 128 has registers for two
-// only. 64-key tiles ran 6-14% slower. With turns, two warpgroups at D = 64 are still 5-13%
-// slower than three.
+// D = 64 takes three consumer warpgroups: its softmax costs about as much as its products, and
+// a third warpgroup hides more of it (faster than two, with turns or without). D = 128 has
+// registers for two only. 64-key tiles measured slower (benchmarks/LOG.md).
 template <int D>
 using FwdSm90 = FwdSm90Cfg<D, D == 64 ? 3 : 2, 128>;
 
@@ -324,8 +322,8 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, float* __restri
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2), partial sum
     // Key tiles this warpgroup has pairs in: fewer than the block's when causal (its rows end
     // before the block's last), none when its rows start past the end or lie before row 0 (a
-    // causal call's `lead`). Skipping the rest gave the others the tensor cores: +8% at
-    // T = 1024, D = 64, causal, +4% at T = 2048 (H100).
+    // causal call's `lead`). Skipping the rest gives the others the tensor cores (measured
+    // faster in causal calls).
     const int q0w = q0t + wg * 64;
     const int n_own = q0w >= g.tq || q0w < 0 ? 0 : KeyTiles(g, q0w, 64, BN);
     for (int j = 0; j < n_own; ++j) {
@@ -350,11 +348,9 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, float* __restri
       release(pipe.v_empty + last);
     }
     // Staged in this warp's own rows of the block's Q buffer (only its warpgroup read them, and
-    // its products are done), and stored by the TMA unit. Measured on an H100: copying them
-    // out with the warps' own loads and stores took 1,900-2,300 cycles a block at D = 128
-    // (clocks traced in the kernel), mostly while neither warpgroup had a product running. The
-    // TMA stores ran the forward 0.99-1.07x as fast (two A/Bs, D = 64 and 128, causal or not,
-    // T = 1024-8192): 1.02x or more in 16 of the 24 shape-runs, least at T = 8192.
+    // its products are done), and stored by the TMA unit: copying them out with the warps' own
+    // loads and stores took thousands of cycles a block, mostly while neither warpgroup had a
+    // product running, and the TMA stores measured faster (benchmarks/LOG.md).
     FwdWriteRows<BM, D>(o, m, l, sQ + qb * BM * D, &maps.out, lse, bh, q0t, g, wrow, lane);
     staged_in = qb;
     // The tiles past this warpgroup's last pair: it waits for each and hands it straight back,

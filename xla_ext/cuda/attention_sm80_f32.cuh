@@ -1,5 +1,6 @@
-// The float32 attention kernels, SIMT (exact float32, no TF32): forward, dK/dV and dQ
-// (xla_ext/cuda/attention.cu has the overview, the launchers and the handlers).
+// The float32 attention kernels (sm_80 and later, Hopper included), SIMT (exact float32, no
+// TF32): forward, dK/dV and dQ (xla_ext/cuda/attention.cu has the overview, the launchers and
+// the handlers).
 
 #pragma once
 
@@ -97,20 +98,20 @@ AttentionFwdF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
 
   LoadTile<BN, D, false>(sK, kh, stride, 0, g.tk);
   LoadTile<BN, D, false>(sV, vh, stride, 0, g.tk);
-  CpAsyncCommit();
+  CopyAsyncCommit();
   float qr[16], o[16] = {};
   LoadRow<D>(qr, q + q_off, c, valid);
   float m = -INFINITY, l = 0.f;
 
   for (int j = 0; j < n_kt; ++j) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
       LoadTile<BN, D, false>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
       LoadTile<BN, D, false>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     const float* cK = sK + (j & 1) * BN * D;
     const float* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
@@ -175,13 +176,13 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
   LoadTile<BQ, D, false>(sdO, doh, stride, first * BQ, g.tq);
   LoadStats<BQ>(sL, lh, first * BQ, g.tq);
   LoadStats<BQ>(sDl, dlh, first * BQ, g.tq);
-  CpAsyncCommit();
+  CopyAsyncCommit();
   float kr[16], vr[16], dk_acc[16] = {}, dv_acc[16] = {};
   LoadRow<D>(kr, k + kv_off, c, valid);
   LoadRow<D>(vr, v + kv_off, c, valid);
 
   for (int i = first; i < n_qt; ++i) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();
     if (i + 1 < n_qt) {
       const int nb = (i + 1 - first) & 1, r0 = (i + 1) * BQ;
@@ -190,7 +191,7 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
       LoadStats<BQ>(sL + nb * BQ, lh, r0, g.tq);
       LoadStats<BQ>(sDl + nb * BQ, dlh, r0, g.tq);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     const int buf = (i - first) & 1, q0 = i * BQ;
     const float* cQ = sQ + buf * BQ * D;
     const float* cdO = sdO + buf * BQ * D;
@@ -243,7 +244,7 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
 
   LoadTile<BN, D, false>(sK, kh, stride, 0, g.tk);
   LoadTile<BN, D, false>(sV, vh, stride, 0, g.tk);
-  CpAsyncCommit();
+  CopyAsyncCommit();
   float qr[16], dor[16], dq_acc[16] = {};
   LoadRow<D>(qr, q + q_off, c, valid);
   LoadRow<D>(dor, dout + q_off, c, valid);
@@ -251,14 +252,14 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
   const float dl = valid ? delta[bh * g.tq + row] : 0.f;
 
   for (int j = 0; j < n_kt; ++j) {
-    CpAsyncWaitAll();
+    CopyAsyncWaitAll();
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
       LoadTile<BN, D, false>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
       LoadTile<BN, D, false>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
     }
-    CpAsyncCommit();
+    CopyAsyncCommit();
     const float* cK = sK + (j & 1) * BN * D;
     const float* cV = sV + (j & 1) * BN * D;
     const int k0 = j * BN;
