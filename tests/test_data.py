@@ -15,6 +15,7 @@ import pytest
 
 from blujax import data
 from blujax.data import Batch, DataError, DataLoader, Shard, ShardError, TextError
+from blujax.data import tokenizing
 
 
 def shared_data(relative: str) -> Path:
@@ -176,8 +177,9 @@ def test_prepare_resumes_after_last_complete_shard(tmp_path, rng, enc, monkeypat
     first.files[k + 2].with_name(first.files[k + 2].name + ".tmp").write_bytes(b"partial")
 
     encoded = []
-    encode = data._encode_document
-    monkeypatch.setattr(data, "_encode_document", lambda item: encoded.append(1) or encode(item))
+    encode = tokenizing._encode_document
+    monkeypatch.setattr(tokenizing, "_encode_document",
+                        lambda item: encoded.append(1) or encode(item))
     second = data.prepare(inputs, out, **kwargs)
     assert second.files == first.files
     assert second.skipped == first.files[:k] and second.written == first.files[k:]
@@ -619,8 +621,9 @@ def test_default_validation_split(tmp_path, rng, enc, monkeypatch):
     k = len(small.files) // 2
     small.files[k].unlink()
     encoded = []
-    encode = data._encode_document
-    monkeypatch.setattr(data, "_encode_document", lambda item: encoded.append(1) or encode(item))
+    encode = tokenizing._encode_document
+    monkeypatch.setattr(tokenizing, "_encode_document",
+                        lambda item: encoded.append(1) or encode(item))
     again = data.prepare(inputs, out, workers=1, shard_tokens=2000, progress=False)
     assert again.skipped == small.files[:k] and again.written == small.files[k:]
     assert [p.read_bytes() for p in again.files] == contents
