@@ -48,7 +48,7 @@ each step directory whose manifest is gone); restore(..., partial=True) restores
 
 In a run of several JAX processes, process 0 saves (the others open the directory read-only,
 or not at all), and every array must be whole on it: its shards there cover the array, as
-they do for one replicated over the mesh (sharding.unshard_state makes them so). Every
+they do for one replicated over the mesh (blujax.train.gather makes them so). Every
 process may restore, each into its own `like`.
 """
 
@@ -156,7 +156,7 @@ def _own_shards(x: jax.Array, name: str) -> list:
         raise CheckpointError(
             f"cannot save {name}: it spans several processes and this one (process "
             f"{jax.process_index()}) holds {held} of its {x.size} elements; save arrays "
-            f"replicated over the mesh (sharding.unshard_state gives them)")
+            f"replicated over the mesh (blujax.train.gather gives them)")
     return list(pieces.values())
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax import data
-from blujax.model import gpt2
+from blujax.model import family_of
 from blujax.model import ops as ops_module
 from blujax.train import DTYPES
 
@@ -108,7 +108,7 @@ def _text_tokens(path: Path, progress: bool) -> np.ndarray:
         raw = path.read_bytes()
     except OSError as e:
         raise data.TextError(f"{path}: cannot read: {e.strerror or e}") from None
-    text = data._decode(raw, path)  # TextError with the first bad byte's offset
+    text = data.decode_text(raw, path)  # TextError with the first bad byte's offset
     del raw
     if progress:
         print(f"tokenizing {path} ({len(text):,} characters)", file=sys.stderr)
@@ -152,7 +152,7 @@ def row_losses(params, inputs, targets, *, config, ops, dtype):
     """float32 [rows]: each row's sum of next-token cross-entropies, over the real vocabulary
     (config.vocab_size columns), of its targets that are not -1. inputs, targets: int32
     [rows, T]. The forward runs in `dtype`; the loss is float32. Compiled once per shape."""
-    logits = gpt2.forward(params, inputs, config=config, ops=ops, dtype=dtype)
+    logits = family_of(config).forward(params, inputs, config=config, ops=ops, dtype=dtype)
     losses = ops.softmax_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                        ignore_index=-1, num_classes=config.vocab_size)
     return losses.reshape(targets.shape).sum(axis=-1)
@@ -168,7 +168,7 @@ def resolve(ops, dtype):
     return ops, jnp.dtype(dtype)
 
 
-def evaluate_loss(params, config: gpt2.GPT2Config, tokens, *, batch: int, seq: int,
+def evaluate_loss(params, config, tokens, *, batch: int, seq: int,
                   max_batches: int | None, ops, dtype) -> dict:
     """EVAL_DEFINITION's val_loss of the model over `tokens`, with what it covered:
     {"val_loss", "batches", "tokens" (predicted tokens), "batch", "seq"}."""

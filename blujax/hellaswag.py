@@ -35,7 +35,7 @@ import numpy as np
 from blujax import data
 from blujax.evaluate import resolve
 from blujax.fetch import download, user_cache_dir
-from blujax.model import gpt2
+from blujax.model import family_of
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 VAL_NAME = "hellaswag_val.jsonl"
@@ -72,7 +72,7 @@ def load_items(path, *, limit: int | None = None) -> list[Item]:
             start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
-            text = data._decode(line, path, start, lineno).removeprefix("\ufeff")
+            text = data.decode_text(line, path, start, lineno).removeprefix("\ufeff")
             ctx, endings, label = _fields(text, f"{path}:{lineno}")
             ctx_tokens = tuple(enc.encode_ordinary(ctx))
             if not ctx_tokens:
@@ -248,28 +248,12 @@ def _row_losses(params, inputs, where, targets, row, *, config, ops, dtype):
     """float32 [R]: per row of inputs [R, L], the summed cross-entropy of the tokens `targets`
     [N] predicted at the flat positions `where` [N] of rows `row` [N] (-1 targets add 0).
 
-    gpt2.forward's computation, but the LM head and the loss only at the scored positions:
-    they are most of the work (the whole of it for the small presets on a CPU), and an
-    ending is a fifth or so of a row. The blocks run as in gpt2.forward (and sample.py)."""
-    p = gpt2.cast(params, dtype)
-    block = partial(gpt2._block, n_head=config.n_head, ops=ops, attend=partial(gpt2._attend, ops))
-
-    def step(carry, layer):
-        *carry, _ = block(layer, *carry)
-        return tuple(carry), None
-
-    carry = gpt2.start(*gpt2._embed(p, inputs))
-    if jax.default_backend() != "gpu":
-        carry, _ = jax.lax.scan(step, carry, p["blocks"])
-    else:  # as gpt2.forward on a GPU: a scan costs copies around the custom calls
-        for i in range(config.n_layer):
-            carry, _ = step(carry, jax.tree.map(lambda x: x[i], p["blocks"]))
-    s, d, d_bias = carry
-
-    def scored(x):  # [R, L, C] -> [1, N, C]
-        return x.reshape(-1, x.shape[-1])[where][None]
-
-    logits = gpt2._head(p, scored(s), scored(d), d_bias, ops)[0]
+    The model's forward, but the LM head and the loss only at the scored positions: they
+    are most of the work (the whole of it for the small presets on a CPU), and an ending is a
+    fifth or so of a row."""
+    family = family_of(config)
+    h = family.hidden(params, inputs, config=config, ops=ops, dtype=dtype)
+    logits = family.head(params, h.reshape(-1, h.shape[-1])[where], dtype=dtype)
     losses = ops.softmax_cross_entropy(logits, targets, ignore_index=-1,
                                        num_classes=config.vocab_size)
     return jax.ops.segment_sum(losses, row, num_segments=inputs.shape[0])

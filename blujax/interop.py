@@ -31,16 +31,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes  # bfloat16 for numpy; imported, it also names it for safetensors' numpy reader
 import numpy as np
 
-from blujax.model import gpt2
+from blujax.model import FAMILIES, family_of, gpt2
 
 log = logging.getLogger(__name__)
 
-# config.json's model_type -> the module that converts the family's layout. Llama comes next.
-FAMILIES = {"gpt2": gpt2}
+# A Hugging Face config.json's model_type names the family (blujax.model.FAMILIES) that
+# converts its layout: each family's NAME is transformers' model_type.
 # The hub's GPT-2s (openai-community/...), by the names transformers users know them by.
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HUB_ORG = "openai-community"
@@ -84,7 +85,7 @@ class Pretrained:
     "llmc", "path": the folder or file read, "name": the hub name or the file's name}.
     """
     family: str
-    config: gpt2.GPT2Config
+    config: Any
     params: dict
     source: dict
 
@@ -291,7 +292,7 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
 # Export
 
 
-def export_hf(params, config: gpt2.GPT2Config, directory: str | os.PathLike, *,
+def export_hf(params, config, directory: str | os.PathLike, *,
               tokenizer: bool = True) -> Path:
     """Writes params (ours; numpy or jax arrays) into directory so that transformers'
     GPT2LMHeadModel.from_pretrained(directory) loads them and computes our logits on the
@@ -370,7 +371,7 @@ def _export_tokenizer(folder: Path, config) -> list[str]:
     return written
 
 
-def export_llmc(params, config: gpt2.GPT2Config, path: str | os.PathLike, *,
+def export_llmc(params, config, path: str | os.PathLike, *,
                 dtype: str = "float32") -> Path:
     """Writes params as an llm.c model file that llm.c's train_gpt2 and read_llmc both read:
     dtype "float32" (header version 3; train_gpt2.c and train_gpt2.cu built with
@@ -381,10 +382,11 @@ def export_llmc(params, config: gpt2.GPT2Config, path: str | os.PathLike, *,
     path = Path(path)
     if path.is_dir():
         raise InteropError(f"{path}: is a folder (expected a file name such as model.bin)")
-    if _family_of(config) is not gpt2:
+    model = _family_of(config)
+    if not hasattr(model, "to_llmc"):
         raise InteropError(f"cannot export to {path}: llm.c model files hold GPT-2 only")
     try:
-        arrays = gpt2.to_llmc(params, config)
+        arrays = model.to_llmc(params, config)
     except ValueError as e:
         raise InteropError(f"cannot export to {path}: {e}") from None
     version = {v: k for k, v in LLMC_VERSIONS.items()}[dtype]
@@ -412,11 +414,11 @@ def export_llmc(params, config: gpt2.GPT2Config, path: str | os.PathLike, *,
 
 def _family_of(config):
     """The family module of a config: each family defines its own config class."""
-    for module in FAMILIES.values():
-        if type(config).__module__ == module.__name__:
-            return module
-    raise InteropError(f"cannot export a {type(config).__name__}: blujax exports "
-                       f"{', '.join(FAMILIES)}")
+    try:
+        return family_of(config)
+    except TypeError:
+        raise InteropError(f"cannot export a {type(config).__name__}: blujax exports "
+                           f"{', '.join(FAMILIES)}") from None
 
 
 def _tmp_name(path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Text generation from a GPT-2 params pytree: jitted, with a KV cache, temperature and top-k.
+"""Text generation from a model's params pytree (any family): jitted, with a KV cache, temperature and top-k.
 
     tokens = generate(params, prompt, config=config, key=jax.random.key(0), max_new_tokens=64,
                       temperature=0.8, top_k=200, ops=blujax.kernels)
@@ -17,10 +17,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from blujax.model import gpt2
+from blujax.model import family_of
 
 
-def generate(params, prompt, *, config: gpt2.GPT2Config, key, max_new_tokens: int,
+def generate(params, prompt, *, config, key, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, ops, dtype=jnp.float32,
              use_cache: bool = True):
     """The prompt [B, P] (int) followed by max_new_tokens sampled tokens: [B, P + new].
@@ -30,7 +30,7 @@ def generate(params, prompt, *, config: gpt2.GPT2Config, key, max_new_tokens: in
     model's block_size.
     """
     prompt = jnp.asarray(prompt)
-    gpt2.check_tokens(prompt, config)
+    family_of(config).check_tokens(prompt, config)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     total = prompt.shape[1] + max_new_tokens
@@ -72,7 +72,7 @@ def _generate_full(params, prompt, key, *, config, new, temperature, top_k, ops,
 
     def step(seq, i):
         # Causal attention: the zeros after position P + i - 1 do not reach its logits.
-        logits = gpt2.forward(params, seq, config=config, ops=ops, dtype=dtype)
+        logits = family_of(config).forward(params, seq, config=config, ops=ops, dtype=dtype)
         last = jax.lax.dynamic_index_in_dim(logits, P + i - 1, axis=1, keepdims=False)
         tok = _pick(last, jax.random.fold_in(key, i), temperature, top_k, config.vocab_size)
         return jax.lax.dynamic_update_index_in_dim(seq, tok, P + i, axis=1), tok
@@ -83,49 +83,19 @@ def _generate_full(params, prompt, key, *, config, new, temperature, top_k, ops,
 
 @partial(jax.jit, static_argnames=_static)
 def _generate_cached(params, prompt, key, *, config, new, temperature, top_k, ops, dtype):
-    B, P = prompt.shape
-    total = P + new
-    p = gpt2.cast(params, dtype)
-    block = partial(gpt2._block, n_head=config.n_head, ops=ops)
-
-    # Prefill: the prompt through every layer, keeping each layer's k and v.
-    def prefill(carry, layer):
-        *carry, (k, v) = block(layer, *carry, attend=partial(gpt2._attend, ops))
-        pad = ((0, 0), (0, total - P), (0, 0), (0, 0))
-        return tuple(carry), (jnp.pad(k, pad), jnp.pad(v, pad))
-
-    tok, pos = gpt2._embed(p, prompt)
-    (s, d, d_bias), cache = jax.lax.scan(prefill, gpt2.start(pos, tok), p["blocks"])
-    logits = gpt2._head(p, s[:, -1:], d[:, -1:], d_bias, ops)[:, 0]
+    family = family_of(config)
+    # Cast once, not at every token (the family's own casts are then no-ops).
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    logits, cache = family.prefill(params, prompt, config=config, ops=ops, dtype=dtype,
+                                   length=prompt.shape[1] + new)
 
     # Decode: one position at a time against the cache.
     def decode(carry, i):
         logits, cache = carry
         tok = _pick(logits, jax.random.fold_in(key, i), temperature, top_k, config.vocab_size)
-        at = P + i
-        x, pos = gpt2._embed(p, tok[:, None], start=at)
-
-        def layer_step(carry, xs):
-            layer, ck, cv = xs
-            *carry, kv = block(layer, *carry, attend=partial(_attend_cached, ck, cv, at))
-            return tuple(carry), kv
-
-        carry, cache = jax.lax.scan(layer_step, gpt2.start(pos, x), (p["blocks"], *cache))
-        return (gpt2._head(p, *carry, ops)[:, 0], cache), tok
+        logits, cache = family.decode(params, tok, prompt.shape[1] + i, cache, config=config,
+                                      ops=ops, dtype=dtype)
+        return (logits, cache), tok
 
     _, toks = jax.lax.scan(decode, (logits, cache), jnp.arange(new))
     return toks.T
-
-
-def _attend_cached(cache_k, cache_v, at, qkv):
-    """qkv [B, 1, 3, H, D] at position `at`: store its k, v there and attend to positions
-    <= at. One query against the cache is memory-bound work: plain jnp, in float32."""
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k, at, axis=1)
-    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v, at, axis=1)
-    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), cache_k.astype(jnp.float32))
-    s = jnp.where(jnp.arange(cache_k.shape[1]) <= at, s * scale, -jnp.inf)
-    w = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", w, cache_v.astype(jnp.float32)).astype(q.dtype)
-    return out, (cache_k, cache_v)

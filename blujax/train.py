@@ -1,9 +1,14 @@
-"""Training GPT-2: the loss, the optimizer and its schedule, and one jitted train step.
+"""Training a model: the loss, the optimizer and its schedule, and the one jitted train step,
+on one device or over a ("data", "tensor", "context") mesh.
 
     tcfg = TrainConfig(steps=1000, warmup_steps=100, dtype="bf16")
-    state = init_state(config, tcfg, jax.random.key(0))
+    state = init_state(config, tcfg, jax.random.key(0))          # config: any model family's
     step = make_train_step(config, tcfg, ops=blujax.kernels)
     state, metrics = step(state, inputs, targets)    # int32 [accum_steps, B, T] each
+
+    mesh = sharding.make_mesh(data=2, tensor=2, context=2)       # the same, over 8 devices
+    state = init_state(config, tcfg, key, mesh=mesh, shard_optimizer=True)
+    step = make_train_step(config, tcfg, mesh=mesh, shard_optimizer=True)
 
 The step is one `jax.jit` program: forward and backward of every micro-batch (a `lax.scan`
 summing float32 gradients), global-norm clipping (none for grad_clip 0), AdamW with a warmup +
@@ -13,6 +18,9 @@ one. A step whose loss or gradient norm is not finite updates nothing but the st
 kernels (`ops=blujax.kernels`) the optimizer is `blujax.optim.adamw` (a fused in-place
 kernel); with the plain-XLA ops it is `optax.adamw`, the ordinary JAX baseline. No randomness
 enters a step, so a run is a function of its seed and its data order.
+
+Checkpoints keep the state as it is on one device (`gather`); `place_state` puts one on a mesh
+of any shape.
 """
 
 from __future__ import annotations
@@ -27,8 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from blujax import kernels, optim
-from blujax.model import gpt2
+from blujax.model import family_of
+from blujax.model.family import ONE_DEVICE
+from blujax.sharding.layout import Layout, state_shardings
+from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, mesh_sizes
+from blujax.sharding.mesh import check_batch as check_mesh_batch
+from blujax.sharding.parallel import Parallel, vary
+from blujax.sharding.ring import zigzag
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -105,85 +122,305 @@ def schedule(tcfg: TrainConfig):
     return lr_at
 
 
-def make_optimizer(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
-    """Global-norm clipping (none for grad_clip 0, as in nanoGPT), then AdamW; biases and
-    LayerNorm parameters do not decay."""
-    # optax.identity's state is clip_by_global_norm's (EmptyState), so a checkpoint does not
-    # depend on grad_clip.
+def make_optimizer(tcfg: TrainConfig, ops=kernels,
+                   decay_mask=None) -> optax.GradientTransformation:
+    """Global-norm clipping (none for grad_clip 0, as in nanoGPT), then AdamW; decay_mask(params)
+    says which leaves decay (the family's: not biases or norms).
+
+    The train step runs the two parts itself (it clips by the norm over all devices); this
+    chain is the state's structure, so a checkpoint does not depend on the mesh. optax.identity's
+    state is clip_by_global_norm's (EmptyState), so it does not depend on grad_clip either."""
     clip = optax.clip_by_global_norm(tcfg.grad_clip) if tcfg.grad_clip else optax.identity()
-    return optax.chain(clip, make_adamw(tcfg, ops))
+    return optax.chain(clip, make_adamw(tcfg, ops, decay_mask))
 
 
-def make_adamw(tcfg: TrainConfig, ops=kernels) -> optax.GradientTransformation:
-    """make_optimizer's AdamW alone (a sharded step clips by the norm over all devices)."""
+def make_adamw(tcfg: TrainConfig, ops=kernels, decay_mask=None) -> optax.GradientTransformation:
+    """make_optimizer's AdamW alone: blujax.optim's fused kernel on our ops, optax's on XLA's."""
     adamw = optim.adamw if ops is kernels else optax.adamw
     return adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
-                 weight_decay=tcfg.weight_decay, mask=gpt2.decay_mask)
+                 weight_decay=tcfg.weight_decay, mask=decay_mask)
 
 
-def init_state(config: gpt2.GPT2Config, tcfg: TrainConfig, key, ops=kernels) -> TrainState:
-    return state_from_params(gpt2.init(config, key), tcfg, ops)
+def init_state(config, tcfg: TrainConfig, key, ops=kernels, mesh=None, *,
+               shard_optimizer: bool = False) -> TrainState:
+    """Step 0 of training a fresh model of `config` (its family's init). On a mesh, the same
+    values, made directly in their shards."""
+    family = family_of(config)
+    if mesh is None:
+        return state_from_params(config, family.init(config, key), tcfg, ops)
+
+    def init(key):
+        return state_from_params(config, family.init(config, key), tcfg, ops)
+
+    shardings = state_shardings(jax.eval_shape(init, key), family.logical_axes(config), mesh,
+                                shard_optimizer)
+    return jax.jit(init, out_shardings=shardings)(key)
 
 
-def state_from_params(params, tcfg: TrainConfig, ops=kernels) -> TrainState:
-    """Step 0 of training `params` (say, pretrained weights: blujax.interop.load_pretrained),
-    as float32 master weights with a fresh optimizer state."""
+def state_from_params(config, params, tcfg: TrainConfig, ops=kernels) -> TrainState:
+    """Step 0 of training `params` of a model of `config` (say, pretrained weights:
+    blujax.interop.load_pretrained), as float32 master weights with a fresh optimizer state,
+    on one device (place_state puts it on a mesh)."""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    opt_state = jax.jit(make_optimizer(tcfg, ops).init)(params)
-    return TrainState(jnp.zeros([], jnp.int32), params, opt_state)
+    optimizer = make_optimizer(tcfg, ops, family_of(config).decay_mask)
+    return TrainState(jnp.zeros([], jnp.int32), params, jax.jit(optimizer.init)(params))
+
+
+def place_state(state: TrainState, config, mesh, *, shard_optimizer: bool = False):
+    """A single-device TrainState (say, a restored checkpoint) placed on `mesh`. With several
+    processes, every process passes the same whole state (each its own copy)."""
+    if jax.process_count() > 1:
+        # device_put takes host arrays, not another device's, for a mesh that spans processes
+        # (each process then puts in the pieces its devices hold).
+        state = jax.device_get(state)
+    shardings = state_shardings(state, family_of(config).logical_axes(config), mesh,
+                                shard_optimizer)
+    return jax.device_put(state, shardings)
+
+
+def gather(tree):
+    """Every array of a sharded tree (params, a TrainState) whole: on several processes,
+    replicated over the mesh so that each process holds all of it (every process calls this;
+    one of them can then save it); on one, as XLA lays it out (the process reaches every
+    shard anyway). What a checkpoint keeps: place_state puts it back on a mesh of any shape,
+    or a single-device run takes it as it is."""
+    if jax.process_count() == 1:
+        return tree
+    replicated = NamedSharding(jax.tree.leaves(tree)[0].sharding.mesh, P())
+    return jax.jit(lambda x: x, out_shardings=replicated)(tree)
+
+
+def batch_sharding(mesh) -> NamedSharding | None:
+    """How a global batch [accum_steps, B, T] is best placed: B over "data" (None: one
+    device). (On several hosts, where each process holds the whole batch, build it with
+    jax.make_array_from_callback(shape, batch_sharding(mesh), lambda index: batch[index]).)"""
+    return None if mesh is None else NamedSharding(mesh, P(None, DATA))
+
+
+# --------------------------------------------------------------------------------------------
+# The step: one implementation, on one device or per device inside a shard_map over a
+# ("data", "tensor", "context") mesh. Per device, the model runs with the device's hooks
+# (family.ONE_DEVICE, or sharding.Parallel: sequence-parallel Megatron layers over "tensor",
+# ring attention over "context"), the loss is this device's share of the mean, and every
+# collective is explicit and comes from the parameters' Layout (none on one device).
+
+
+class _Device(NamedTuple):
+    """What the per-device code needs to know about where it runs."""
+    par: Any                 # the model's hooks
+    sizes: dict              # mesh axis sizes ({} on one device)
+    reduce_in_backward: bool
+
+    def psum(self, x, axes=(DATA, CONTEXT)):
+        return jax.lax.psum(x, axes) if self.sizes else x
+
+
+def _device(config, mesh, collective_matmul=False, reduce_in_backward=False) -> _Device:
+    if mesh is None:
+        return _Device(ONE_DEVICE, {}, False)
+    sizes = mesh_sizes(mesh)
+    family_of(config).check_mesh(config, sizes)
+    return _Device(Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul,
+                            reduce_in_backward), sizes, reduce_in_backward)
+
+
+def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, dev, n_tokens,
+                scan_layers=None):
+    """This device's share of the mean loss: the sum of its tokens' losses / n_tokens (all
+    tokens of the micro-batch), so the shares add up to the mean over "data" and "context";
+    the same on every device of "tensor"."""
+    logits = family_of(config).forward(params, inputs, config=config, ops=ops, dtype=dtype,
+                                       remat=remat, parallel=None if not dev.sizes else dev.par,
+                                       scan_layers=scan_layers)
+    vocab = logits.shape[-1]  # this device's slice of the padded vocabulary
+    return dev.par.loss(ops, logits.reshape(-1, vocab), targets.reshape(-1),
+                        num_classes=config.vocab_size, n_tokens=n_tokens)
+
+
+def _accumulate(loss, params, inputs, targets, dev: _Device):
+    """(loss share, grads) summed over the micro-batches [accum, B, T], then averaged.
+
+    On a mesh the params are cast to varying over every axis first: each device's gradient is
+    then its own contribution, and the reduction over devices happens once, after the last
+    micro-batch (Layout.reduce), instead of inside every backward. With reduce_in_backward
+    the loss casts them itself, layer by layer (Parallel.share), and the gradients come out of
+    each backward reduced.
+    """
+    if dev.sizes and not dev.reduce_in_backward:
+        params = vary(params)
+    grad = jax.value_and_grad(loss)
+
+    def micro(acc, batch):
+        return jax.tree.map(jnp.add, acc, grad(params, *batch)), None
+
+    zero = jnp.zeros([], jnp.float32)
+    if dev.sizes:
+        zero = vary(zero, (DATA, CONTEXT))
+    (value, grads), _ = jax.lax.scan(micro, (zero, jax.tree.map(jnp.zeros_like, params)),
+                                     (inputs, targets))
+    n = inputs.shape[0]
+    return value / n, jax.tree.map(lambda g: g / n, grads)
+
+
+def _sharded(f, mesh, dev, in_specs, out_specs):
+    """f over the mesh (its batch arguments zig-zag ordered for ring attention), or f itself
+    on one device."""
+    if mesh is None:
+        return f
+    run = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    cp = dev.sizes[CONTEXT]
+
+    def g(x, inputs, targets):
+        return run(x, zigzag(inputs, cp), zigzag(targets, cp))
+
+    return g
+
+
+def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
+                    shard_optimizer: bool = False, collective_matmul: bool = False,
+                    reduce_in_backward: bool = False):
+    """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
+
+    config: any registered model family's config. inputs, targets: int32 [accum_steps, B, T]
+    (global arrays on a mesh; B divisible by "data", T by 2 x "context" when "context" > 1
+    and T / "context" by "tensor"). mesh: None for one device, else a sharding.make_mesh mesh,
+    the state from init_state / place_state on it with the same shard_optimizer (ZeRO-1:
+    AdamW's moments and update split over "data": the gradients reduce-scattered there and the
+    new params all-gathered).
+
+    metrics: float32 scalars loss (mean over the micro-batches), grad_norm (before clipping,
+    over the whole gradient), lr (of this step) and skipped (1.0 where the loss or grad_norm
+    was not finite: params and opt_state are then returned unchanged, bit for bit, and only
+    state.step advances; else 0.0). AdamW's own count, which its learning rate and bias
+    correction follow, counts the updates made: after k skipped steps it is k behind
+    state.step (and the lr it applies is lr_at(state.step - k)).
+
+    Two ways to hide communication on a mesh (same values; sharding/parallel.py says how):
+    collective_matmul: the tensor-parallel all-gathers and reduce-scatters as ppermute steps
+    overlapping slices of their matrix products. reduce_in_backward: each layer's gradient
+    reduced during the backward, as soon as it is computed, rather than all of them after it;
+    with accum_steps > 1 that is one reduction per micro-batch instead of one per step.
+    """
+    family = family_of(config)
+    dev = _device(config, mesh, collective_matmul, reduce_in_backward)
+    adamw = make_adamw(tcfg, ops, family.decay_mask)
+    lr_at = schedule(tcfg)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
+                   remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev)
+
+    def body(layout, state, inputs, targets):
+        n_tokens = inputs.shape[1] * inputs.shape[2] * math.prod(
+            dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        value, grads = _accumulate(partial(loss, n_tokens=n_tokens), state.params, inputs,
+                                   targets, dev)
+        grads = layout.reduce(grads, reduced=dev.reduce_in_backward)
+        norm = layout.global_norm(grads)
+        value = dev.psum(value)
+
+        def update(params, adam_state, grads):
+            if tcfg.grad_clip:  # optax.clip_by_global_norm, with the global norm; 0: none
+                trigger = norm < tcfg.grad_clip
+                grads = jax.tree.map(lambda g: jax.lax.select(
+                    trigger, g, (g / norm.astype(g.dtype)) * tcfg.grad_clip), grads)
+            updates, adam_state = adamw.update(grads, adam_state, params)
+            return optax.apply_updates(params, updates), adam_state
+
+        clip_state, adam_state = state.opt_state  # make_optimizer's chain
+        # The loss and norm are the same on every device, so every device takes the same branch
+        # (skip_unless); the all-gather stays outside the cond, and a skipped step gathers back
+        # the very pieces it cut.
+        finite = finite_step(value, norm)
+        params, adam_state = skip_unless(finite, update, layout.zero_pieces(state.params),
+                                         adam_state, grads)
+        params = layout.zero_gather(params)
+        metrics = {"loss": value, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
+                   "skipped": 1.0 - finite.astype(jnp.float32)}
+        return TrainState(state.step + 1, params, (clip_state, adam_state)), metrics
+
+    def step(state, inputs, targets):
+        check_batch(inputs, targets, tcfg)
+        layout = _layout(state.params, config, dev, shard_optimizer)
+        if mesh is None:
+            return body(layout, state, inputs, targets)
+        check_mesh_batch(inputs.shape, dev.sizes, config)
+        specs = layout.state_specs(state)
+        run = _sharded(partial(body, layout), mesh, dev,
+                       (specs, _MICRO_BATCHES, _MICRO_BATCHES), (specs, P()))
+        return run(state, inputs, targets)
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_value_and_grad(config, ops=kernels, mesh=None, *, dtype=jnp.float32,
+                        remat: bool = False, collective_matmul: bool = False,
+                        reduce_in_backward: bool = False):
+    """f(params, inputs, targets) -> (mean loss, grads), jitted, for int32 [B, T] batches:
+    the train step's loss and gradient (on a mesh, the params placed by place_state's layout
+    and the grads in it). The options as make_train_step's."""
+    dev = _device(config, mesh, collective_matmul, reduce_in_backward)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=dtype, remat=remat, dev=dev)
+
+    def body(layout, params, inputs, targets):
+        n_tokens = inputs.size * math.prod(dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        value, grads = _accumulate(partial(loss, n_tokens=n_tokens), params, inputs[None],
+                                   targets[None], dev)
+        grads = layout.reduce(grads, reduced=dev.reduce_in_backward)
+        return dev.psum(value), grads
+
+    def f(params, inputs, targets):
+        layout = _layout(params, config, dev)
+        if mesh is None:
+            return body(layout, params, inputs, targets)
+        check_mesh_batch(inputs.shape, dev.sizes, config)
+        specs = layout.param_specs()
+        run = _sharded(partial(body, layout), mesh, dev, (specs, _BATCH, _BATCH),
+                       (P(), specs))
+        return run(params, inputs, targets)
+
+    return jax.jit(f)
+
+
+def make_eval_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
+                   collective_matmul: bool = False):
+    """eval_step(params, inputs, targets) -> mean loss (float32) over int32 [B, T] batches
+    (global arrays on a mesh, the params placed as the train state's)."""
+    dev = _device(config, mesh, collective_matmul)
+    loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype, remat=False,
+                   dev=dev)
+
+    def body(params, inputs, targets):
+        n_tokens = inputs.size * math.prod(dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        return dev.psum(loss(params, inputs, targets, n_tokens=n_tokens))
+
+    def f(params, inputs, targets):
+        if mesh is None:
+            return body(params, inputs, targets)
+        check_mesh_batch(inputs.shape, dev.sizes, config)
+        specs = _layout(params, config, dev).param_specs()
+        return _sharded(body, mesh, dev, (specs, _BATCH, _BATCH), P())(params, inputs, targets)
+
+    return jax.jit(f)
 
 
 def loss_fn(params, inputs, targets, *, config, ops, dtype=jnp.float32, remat=False,
             scan_layers=None):
-    """Mean next-token cross-entropy (float32) of int [B, T] inputs against [B, T] targets."""
-    logits = gpt2.forward(params, inputs, config=config, ops=ops, dtype=dtype, remat=remat,
-                          scan_layers=scan_layers)
-    # The padded vocabulary columns are left out of the softmax (without slicing a copy). No
-    # target is ignore_index, so this is the mean over all B * T tokens; on our kernels its
-    # gradient comes out of the loss's own pass over the logits.
-    return ops.softmax_cross_entropy_mean(logits.reshape(-1, logits.shape[-1]),
-                                          targets.reshape(-1), num_classes=config.vocab_size)
+    """Mean next-token cross-entropy (float32) of int [B, T] inputs against [B, T] targets,
+    on one device (the step's loss)."""
+    return _local_loss(params, inputs, targets, config=config, ops=ops, dtype=dtype,
+                       remat=remat, scan_layers=scan_layers, dev=_device(config, None),
+                       n_tokens=inputs.size)
 
 
-def make_train_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
-    """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
+def _layout(params, config, dev, shard_optimizer=False) -> Layout:
+    if not dev.sizes:
+        return Layout.of(params, None, None)
+    return Layout.of(params, family_of(config).logical_axes(config), dev.sizes, shard_optimizer)
 
-    inputs, targets: int32 [accum_steps, B, T]. metrics: float32 scalars loss (mean over the
-    micro-batches), grad_norm (before clipping), lr (of this step) and skipped (1.0 where the
-    loss or grad_norm was not finite: params and opt_state are then returned unchanged, bit
-    for bit, and only state.step advances; else 0.0). AdamW's own count, which its learning
-    rate and bias correction follow, counts the updates made: after k skipped steps it is k
-    behind state.step (and the lr it applies is lr_at(state.step - k)).
-    """
-    optimizer = make_optimizer(tcfg, ops)
-    lr_at = schedule(tcfg)
-    grad_fn = jax.value_and_grad(partial(loss_fn, config=config, ops=ops,
-                                         dtype=tcfg.compute_dtype, remat=tcfg.remat,
-                                         scan_layers=tcfg.scan_layers))
 
-    def update(params, opt_state, grads):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    def step(state: TrainState, inputs, targets):
-        check_batch(inputs, targets, tcfg)
-
-        def micro(acc, batch):
-            loss, grads = grad_fn(state.params, *batch)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
-
-        zero = (jnp.zeros([], jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-        (loss, grads), _ = jax.lax.scan(micro, zero, (inputs, targets))
-        n = inputs.shape[0]
-        loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
-        norm = optax.tree.norm(grads)
-        finite = finite_step(loss, norm)
-        params, opt_state = skip_unless(finite, update, state.params, state.opt_state, grads)
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
-                   "skipped": 1.0 - finite.astype(jnp.float32)}
-        return TrainState(state.step + 1, params, opt_state), metrics
-
-    return jax.jit(step, donate_argnums=0)
+# A batch [B, T]: sequences over "data", each sequence (zig-zag ordered) over "context"; the
+# train step's [accum_steps, B, T].
+_BATCH = P(DATA, CONTEXT)
+_MICRO_BATCHES = P(None, DATA, CONTEXT)
 
 
 def finite_step(loss, grad_norm):
@@ -203,11 +440,6 @@ def skip_unless(finite, update, params, opt_state, *args):
     through.
     """
     return jax.lax.cond(finite, update, lambda p, s, *_: (p, s), params, opt_state, *args)
-
-
-def make_eval_step(config: gpt2.GPT2Config, tcfg: TrainConfig, ops=kernels):
-    """eval_step(params, inputs, targets) -> mean loss (float32) over int32 [B, T] batches."""
-    return jax.jit(partial(loss_fn, config=config, ops=ops, dtype=tcfg.compute_dtype))
 
 
 def check_batch(inputs, targets, tcfg: TrainConfig, step: str = "train step"):

@@ -1,21 +1,31 @@
 """The benchmark harness (benchmarks/): each attention contender computes the op ours does,
-on the same inputs, and a case times into a table row. Values and row contents only: speed is
-measured by benchmarks/kernels.py on a GPU, never asserted here."""
+on the same inputs, and a case times into a table row; every benchmark and probe imports as a
+module of the package and parses its arguments. Values and row contents only: speed is measured
+by `python -m benchmarks.kernels` on a GPU, never asserted here.
 
-import pathlib
-import sys
+`benchmarks` is imported from the repository root, which `python -m pytest` run there puts on
+sys.path (as `python -m benchmarks.NAME` does for the benchmarks themselves)."""
+
+import importlib
+import pkgutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from benchmarks.cases import attention  # noqa: E402
-from benchmarks.harness import TorchFn, run_case  # noqa: E402
+import benchmarks
+import benchmarks.probes
+from benchmarks.cases import attention
+from benchmarks.harness import TorchFn, run_case
 
 CASES = attention.cases(quick=True)
+# Modules run as `python -m benchmarks.NAME` / `python -m benchmarks.probes.NAME`; the rest
+# (harness, cases) are imported by them.
+RUNNABLE = sorted(
+    [f"benchmarks.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)
+     if not m.ispkg and m.name != "harness"]
+    + [f"benchmarks.probes.{m.name}" for m in pkgutil.iter_modules(benchmarks.probes.__path__)])
 
 
 def _floats(x):
@@ -58,3 +68,12 @@ def test_attention_case_times_into_a_row():
     assert row["ours_tflops"] > 0 and row["ours_us"] > 0
     for impl in case.impls[1:]:
         assert f"{impl}_tflops" in row or f"{impl}_skipped" in row, impl
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_benchmark_imports_and_parses_help(name, capsys):
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out

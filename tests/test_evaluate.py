@@ -76,6 +76,7 @@ def direct_loss(params, tokens, rows, seq, ops):
     return float(-jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ops_name", model_ops.NAMES)
 def test_evaluate_loss_equals_a_direct_computation(params, ops_name):
     ops = model_ops.get(ops_name)

@@ -22,6 +22,8 @@ from blujax.cli.lock import RunLock
 from tests.test_gpt2_cli import (TINY, _assert_usage_error, _run, corpus,  # noqa: F401
                                  private_cache)
 
+pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
+
 STEPS = ["--steps", 4, "--eval-every", 2, "--eval-batches", 1, "--sample-tokens", 0]
 
 

@@ -41,7 +41,7 @@ def exact_matmuls():
 def test_init_follows_gpt2():
     params = gpt2.init(CONFIG, jax.random.key(0))
     b = params["blocks"]
-    assert params["wte"].shape == (512, 128) and b["attn"]["w"].shape == (2, 128, 384)
+    assert params["wte"].shape == (512, 128) and b["attn"]["w"].shape == (2, 128, 3, 128)
     np.testing.assert_array_equal(params["wte"][500:], 0)  # padded rows start at zero
     assert abs(float(jnp.std(b["attn"]["w"])) - 0.02) < 1e-3
     assert abs(float(jnp.std(b["mlp_proj"]["w"])) - 0.02 / 2.0) < 1e-3  # 1/sqrt(2 * 2 layers)
@@ -95,6 +95,7 @@ def test_loss_and_grads_match_xla(remat):
     rel_close(g, g_x, 1e-5)
 
 
+@pytest.mark.slow
 def test_python_loop_equals_scan():
     """scan_layers=False (the GPU default) computes what the scan computes."""
     params = gpt2.init(CONFIG, jax.random.key(1))
@@ -110,6 +111,7 @@ def test_python_loop_equals_scan():
     rel_close(g, g_s, 1e-6)
 
 
+@pytest.mark.slow
 def test_train_steps_match_xla():
     """20 steps with our kernels (and our AdamW) give XLA's (and optax's) losses."""
     tcfg = train.TrainConfig(steps=20, warmup_steps=5, learning_rate=1e-3, dtype="f32")
@@ -130,6 +132,7 @@ def test_train_steps_match_xla():
     rel_close(*(without_key_bias(losses[n + "_params"]) for n in ("ffi", "xla")), 1e-3)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch():
     tcfg1 = train.TrainConfig(steps=3, dtype="f32")
     tcfg2 = dataclasses.replace(tcfg1, accum_steps=2)
@@ -147,6 +150,7 @@ def test_accumulation_equals_one_big_batch():
         train.make_train_step(CONFIG, tcfg2)(s2[0], tokens[None, :, :-1], tokens[None, :, 1:])
 
 
+@pytest.mark.slow
 def test_bf16_step_tracks_f32():
     tokens = _tokens(6, (1, 4, 33))
     out = {}
@@ -192,6 +196,7 @@ def _params_np(state):
     return jax.tree.map(np.asarray, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ffi", "xla"])
 def test_grad_clip_zero_means_no_clipping(name):
     """grad_clip 0 trains (it used to scale every gradient to zero) and equals AdamW on the
@@ -204,7 +209,7 @@ def test_grad_clip_zero_means_no_clipping(name):
     # The reference: the plain unclipped update (no chain at all), on a copy of the state.
     loss, grads = jax.jit(jax.value_and_grad(partial(train.loss_fn, config=CONFIG, ops=ops)))(
         state.params, batch[0, :, :-1], batch[0, :, 1:])
-    adamw = train.make_adamw(tcfg, ops)
+    adamw = train.make_adamw(tcfg, ops, gpt2.decay_mask)
     updates, _ = jax.jit(adamw.update)(grads, jax.tree.map(jnp.copy, state.opt_state[1]),
                                         state.params)
     want = jax.tree.map(np.add, before, _params_np(updates))
@@ -251,6 +256,7 @@ def test_non_finite_step_is_skipped(name):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_skipping_leaves_a_finite_step_as_it_was(monkeypatch):
     """With finite losses the step computes what it did before skipping existed (the update
     applied unconditionally), bit for bit, over a few steps with clipping."""
@@ -275,6 +281,7 @@ def test_skipping_leaves_a_finite_step_as_it_was(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 5)])
 def test_kv_cache_sampling_equals_full_recompute(temperature, top_k):
     params = gpt2.init(CONFIG, jax.random.key(7))
@@ -302,6 +309,7 @@ def test_xla_namespace_is_one_hashable_object():
         XLA.gelu = None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generate_on_both_namespaces(use_cache):
     """The tiny preset samples on either namespace (the xla one used to fail as an unhashable
@@ -349,6 +357,7 @@ def _shakespeare_tokens():
     return np.asarray(enc.encode_ordinary(text), np.int32)
 
 
+@pytest.mark.slow
 def test_learns_tinyshakespeare():
     """A 2-layer model, 200 steps of 8 x 32 tokens from the first 90% of tinyshakespeare:
     the validation loss on the last 10% falls from 10.84 (about log 50257: uniform) to below

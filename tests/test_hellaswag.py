@@ -81,6 +81,7 @@ def test_load_items_tokenizes_as_build_nanogpt(items, enc):
     assert len(items[2].ctx_tokens) + len(items[2].ending_tokens[1]) > CONFIG.block_size + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ops_name", model_ops.NAMES)
 def test_score_equals_a_direct_computation(params, items, ops_name):
     ops = model_ops.get(ops_name)

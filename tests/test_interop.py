@@ -158,7 +158,8 @@ def test_export_llmc_read_llmc(tmp_path):
     flat = np.frombuffer(raw[1024:], "<f4")
     at = params["wte"].size + params["wpe"].size + 2 * 2 * 32
     qkvw = flat[at:at + 2 * 96 * 32].reshape(2, 96, 32)
-    np.testing.assert_array_equal(qkvw, params["blocks"]["attn"]["w"].transpose(0, 2, 1))
+    np.testing.assert_array_equal(qkvw, params["blocks"]["attn"]["w"].reshape(2, 32, 96)
+                                  .transpose(0, 2, 1))
     np.testing.assert_array_equal(flat[-32:], params["ln_f"]["b"])
     back = interop.read_llmc(path)
     assert back.config == CONFIG and back.source == {"kind": "llmc", "path": str(path),

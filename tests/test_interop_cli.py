@@ -18,6 +18,8 @@ from blujax.model import ops as model_ops
 from tests.test_gpt2_cli import (TINY, _assert_usage_error, _run, corpus,  # noqa: F401
                                  private_cache)
 
+pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
+
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 
 

@@ -10,16 +10,19 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
+
 # Process `failer` stops at iteration 3 (as `mode` says) while the other goes on calling
 # collectives. It prints on stdout when it stops. Shorter waits than a real run's.
 _SCRIPT = """
 import argparse, os, signal, sys, time
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
+from blujax import processes as lib
 from blujax.cli import processes
 from blujax.cli.settings import UsageError
 
-processes.SILENT_S = processes.EXIT_GRACE_S = 3.0
+lib.SILENT_S = lib.EXIT_GRACE_S = 3.0
 
 
 def main():
@@ -171,13 +174,14 @@ class _FakeStore:
 @pytest.fixture
 def fake_run(monkeypatch):
     """Process 0 of 2 over a fake store; no watcher at work and nothing ended at exit."""
-    from blujax.cli import processes
+    from blujax import processes
+    from blujax.cli.processes import USER_ERRORS
     store = _FakeStore()
     monkeypatch.setattr(processes, "_client", lambda: store)
     monkeypatch.setattr(processes, "_leaving", [])
     monkeypatch.setattr(processes, "POLL_S", 1e6)
     blocks = []
-    yield processes, processes.Processes(0, 2), store, blocks
+    yield processes, processes.Processes(0, 2, USER_ERRORS), store, blocks
     for block in blocks:
         block._finished.set()  # the watcher's loop ends
 
@@ -234,7 +238,7 @@ def test_fail_fast_tells_its_own_error_from_an_echo(fake_run):
 
 
 def test_fail_fast_does_nothing_with_one_process():
-    from blujax.cli import processes
+    from blujax import processes
     with processes.Processes().fail_fast():
         pass
     with pytest.raises(ZeroDivisionError):

@@ -60,8 +60,7 @@ def without_key_bias(params):
     """GPT-2 params with the attention's key bias zeroed. Softmax is invariant to it, so its
     gradient is rounding noise, which Adam's normalisation turns into steps of +-lr: two exact
     implementations differ there by design."""
-    b = params["blocks"]["attn"]["b"]
-    C = b.shape[-1] // 3
+    b = params["blocks"]["attn"]["b"]  # [L, 3, C]: q, k, v
     blocks = {**params["blocks"], "attn": {**params["blocks"]["attn"],
-                                           "b": b.at[:, C:2 * C].set(0.0)}}
+                                           "b": b.at[:, 1].set(0.0)}}
     return {**params, "blocks": blocks}

@@ -21,15 +21,17 @@ checkpoints) and samples.txt. A resumed run continues bit for bit where the chec
 off: the checkpoint holds the parameters, optimizer state, step, the data loader's position and
 the sampling key, and every setting that changes the numbers must stay as it was.
 
-The modules, in the order a run uses them:
+This package is a thin shell: the loop is blujax.loop, metrics and progress blujax.metrics,
+several processes blujax.processes, the step blujax.train. The modules, in the order a run
+uses them:
     parser.py     the flags of each command, with their help
     settings.py   a run's settings, their defaults and checks; UsageError
     corpus.py     the token shards --data names (text file, llm.c shards, default corpus)
-    processes.py  several processes (hosts) in one run: starting them, keeping them in step
-    run.py        the run folder: config.json and the checkpoints
+    processes.py  starting several processes (hosts) from the flags
+    run.py        the run folder: config.json and the checkpoints in it
     lock.py       one run per folder: the lock on --out
-    train.py      `train` and its loop
-    report.py     metrics.jsonl, loss.png, the progress display, throughput and MFU
+    train.py      `train`: settings, folder and data checks, then blujax.loop.run
+    report.py     warnings and the loss plot's title
     generate.py   `eval` and `sample`
     export.py     `export`
 """

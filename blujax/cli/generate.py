@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,6 @@ from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.run import load_run, restore_latest
 from blujax.cli.settings import (TrainSettings, UsageError, check_number, defaults,
                                  on_accelerator, run_model_config, training_config)
-from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
 
@@ -30,7 +30,7 @@ GPT2_VOCAB = 50257
 class Model:
     """What eval and sample run: a run's latest parameters, or pretrained ones."""
 
-    config: gpt2.GPT2Config
+    config: Any                # a model family's config
     params: dict
     name: str                  # "step 6 of runs/a", or the pretrained source
     ops: str                   # the run's, else ffi
@@ -149,7 +149,7 @@ def score_hellaswag(params, config, ops, dtype: str, path: str, *, progress: boo
     return hellaswag.score(params, config, items, ops=ops, dtype=DTYPES[dtype])
 
 
-def check_gpt2_vocab(config: gpt2.GPT2Config, what: str):
+def check_gpt2_vocab(config, what: str):
     """Text reaches a model through GPT-2's encoding: refused for another vocabulary."""
     if config.vocab_size != GPT2_VOCAB:
         raise UsageError(f"{what} needs GPT-2's encoding, and the model's vocabulary has "

@@ -9,7 +9,7 @@ import argparse
 
 from blujax import evaluate
 from blujax.cli.settings import SAMPLE_PROMPT, defaults
-from blujax.model import gpt2
+from blujax import model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,4 +226,4 @@ INIT_FROM_HELP = ("{what}: a Hugging Face folder (config.json + model.safetensor
 
 
 def _preset_names() -> list[str]:
-    return list(gpt2.PRESETS)
+    return list(model.presets())

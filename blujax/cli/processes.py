@@ -1,344 +1,31 @@
-"""A run over several processes (hosts): starting them, keeping them in step, and who writes.
+"""A run over several processes (hosts) from the command line: starting them.
 
     # host 0 and host 1 (each with its GPUs), the same command but --process-id:
     gpt2.py train --dp 4 --tp 2 --coordinator host0:1234 --num-processes 2 --process-id 0
     gpt2.py train --dp 4 --tp 2 --coordinator host0:1234 --num-processes 2 --process-id 1
 
-Every process runs the same program over one mesh of all processes' devices (SPMD): it reads
-the same data, takes the same decisions and calls the same collectives in the same order.
-Only process 0 (the lead) writes --out's files and prints. A process that stops on its own
-(an error the others do not meet) would leave the others waiting in their next collective,
-so the set-up runs in `together()` blocks, after which all processes go on or all stop; the
-training runs in a `fail_fast()` block, where a process that stops (an error, or killed) ends
-the others within seconds, even those waiting inside a collective; and a signal that reaches
-some processes only stops all of them after the same step (train.py polls for it every
-_TrainLoop.STOP_POLL steps).
+Keeping them in step once started (together, fail_fast, who writes) is blujax.processes.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import dataclasses
-import itertools
 import os
-import sys
-import threading
-import time
 
 import jax
-import numpy as np
 
-from blujax import sharding
-from blujax.checkpoint import CheckpointError
+from blujax import metrics, sharding
 from blujax.cli.settings import UsageError
-from blujax.data import DataError
+from blujax.loop import TrainingError
+from blujax.processes import ERRORS, ProcessError, Processes
 
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "BLUJAX_COORDINATOR", "BLUJAX_NUM_PROCESSES", "BLUJAX_PROCESS_ID")
 
-
-# fail_fast's timing, in seconds: how often each process looks for news of the others; how
-# long a process may go unheard before the others take it for dead (JAX's own heartbeat
-# timeout is 100 s); how long a failing process may take to end after its error before it is
-# ended; how long process 0, which hosts the coordination service, waits at most for the
-# others to end before it ends (and the service with it): longer than EXIT_GRACE_S.
-POLL_S, SILENT_S, EXIT_GRACE_S, LAST_WAIT_S = 1.0, 20.0, 15.0, 20.0
-EXIT_STOPPED = 2  # a process ended because another one stopped
-
-# The errors main() (blujax/cli/__init__.py) prints in one line with status 2: the process's
-# own, never the echo of another process's failure in a collective.
-_USER_ERRORS = (UsageError, DataError, CheckpointError)
-
-
-class OtherProcessFailed(UsageError):
-    """Another process of the run stopped with an error (which it printed); this one stops
-    too."""
-
-    def __init__(self, failed: int, count: int, index: int):
-        super().__init__(f"process {failed} of {count} stopped with an error (its output says "
-                         f"which); this process ({index}) stops too")
-
-
-@dataclasses.dataclass(frozen=True)
-class Processes:
-    """This process's place in the run: index in [0, count)."""
-
-    index: int = 0
-    count: int = 1
-
-    @property
-    def lead(self) -> bool:
-        """Whether this process writes the run's files and prints (process 0)."""
-        return self.index == 0
-
-    def gather(self, value: int) -> list[int]:
-        """Every process's `value`, by process. A collective: every process calls it at the
-        same point."""
-        if self.count == 1:
-            return [int(value)]
-        from jax.experimental import multihost_utils
-        return [int(v) for v in multihost_utils.process_allgather(np.int32(value))]
-
-    @contextlib.contextmanager
-    def together(self):
-        """Runs the block on every process; if it raises on any of them, it raises on all
-        (there, with its own error; elsewhere OtherProcessFailed), so that no process is left
-        waiting for the others. Nothing more than the block itself with one process."""
-        if self.count == 1:
-            yield
-            return
-        try:
-            yield
-        except Exception:
-            self.gather(1)
-            raise
-        failed = [i for i, v in enumerate(self.gather(0)) if v]
-        if failed:
-            raise OtherProcessFailed(failed[0], self.count, self.index)
-
-    def fail_fast(self):
-        """A context manager for a phase (the training loop) in which a process may stop while
-        the others wait for it inside a collective: then every process ends within seconds,
-        with a non-zero status. Nothing more than the block itself with one process.
-
-        - The block raises here: this process tells the others (the coordination service's
-          key-value store) and re-raises; its error is printed as usual (main(): `error: ...`
-          or a traceback), then the process ends at once (status 2 for main()'s one-line
-          errors, 130 for Ctrl-C, else 1) rather than in jax.distributed.shutdown(), which
-          would wait for the others up to 5 minutes; EXIT_GRACE_S after the error at most.
-        - Another process raised: a watcher thread sees it within POLL_S, prints
-          `error: process 1 of 2 stopped with an error (its output says which); this process
-          (0) stops too` and ends this process with status 2, wherever its main thread is. An
-          error here that only echoes that failure (a collective that lost its peer) raises
-          OtherProcessFailed with that message instead, and ends the same way.
-        - Another process went silent for SILENT_S (killed, or stuck): the same, with
-          `error: process 1 of 2 has not been heard from for 20 s (killed, or stuck); ...`.
-
-        A collective: every process enters it at the same point, and leaves it when every
-        process has finished the block (or ends). A checkpoint being written when a process
-        ends is left in its temporary folder, which the next Checkpointer tidies away; the
-        earlier checkpoints stay whole."""
-        if self.count == 1 or _client() is None:
-            return contextlib.nullcontext()
-        return _FailFast(self)
-
-    def same(self, value: int, what: str):
-        """Refuses to go on (on every process) unless every process has the same `value`."""
-        values = self.gather(value)
-        if len(set(values)) > 1:
-            raise UsageError(f"the processes disagree on {what}: "
-                             + ", ".join(f"process {i} has {v}" for i, v in enumerate(values)))
-
-    def any(self, flag: bool) -> bool:
-        """Whether `flag` is set on any process (a collective with several)."""
-        return bool(flag) if self.count == 1 else any(self.gather(int(flag)))
-
-    def global_array(self, host: np.ndarray, sharding_):
-        """The global array of `host`, which every process holds in full, with `sharding_`:
-        each process puts in exactly the pieces its own devices hold. With one process, a
-        plain device_put."""
-        if self.count == 1:
-            return jax.device_put(host, sharding_)
-        return jax.make_array_from_callback(host.shape, sharding_, lambda index: host[index])
-
-
-def _client():
-    """jax.distributed's client (the coordination service's key-value store), or None."""
-    from jax._src import distributed
-    return distributed.global_state.client
-
-
-_blocks = itertools.count()  # fail_fast blocks entered: the same sequence on every process
-_END = threading.Lock()      # taken by whatever ends the process, never given back
-_leaving: list = []          # the _FailFast of a process on its way out (after its error)
-
-
-def _exit_status(e: BaseException) -> int:
-    """The status a process ends with when `e` leaves main() (see blujax.cli.main)."""
-    if isinstance(e, SystemExit):
-        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    if isinstance(e, KeyboardInterrupt):
-        return 130
-    return 2 if isinstance(e, _USER_ERRORS) else 1
-
-
-@atexit.register  # after jax's own exit handlers (jax is imported above), so it runs first
-def _end_if_leaving():
-    if _leaving:
-        _leaving[0].end()
-
-
-class _FailFast:
-    """Processes.fail_fast() on one process. Each block has its keys in the coordination
-    service's key-value store, under blujax/fail_fast/<block>/: `first` (the process that
-    failed first), failed/<i>, beat/<i> (a count each process bumps every POLL_S), done/<i>
-    (it finished the block) and stopping/<i> (it is ending)."""
-
-    def __init__(self, procs: Processes):
-        self.procs, self.client = procs, _client()
-        self.prefix = f"blujax/fail_fast/{next(_blocks)}/"
-        self.others = [j for j in range(procs.count) if j != procs.index]
-        self._lock = threading.Lock()
-        self._leaving = None  # (status, since when): this process is on its way out
-        self._silent: set[int] = set()
-        self._finished = threading.Event()
-        self._beats = itertools.count()
-
-    def _key(self, what: str, j: int | None = None) -> str:
-        return f"{self.prefix}{what}/{self.procs.index if j is None else j}"
-
-    def _set(self, what: str, value="1"):
-        try:
-            self.client.key_value_set(self._key(what), str(value), allow_overwrite=True)
-        except Exception:  # the service is gone: JAX's error polling ends the process
-            pass
-
-    def __enter__(self):
-        self._set("beat", next(self._beats))
-        self._watcher = threading.Thread(target=self._watch, name="blujax-fail-fast",
-                                         daemon=True)
-        self._watcher.start()
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is None:
-            self._finish()
-            return False
-        with self._lock:  # the watcher waits: this process's own news comes first
-            if self._leaving is not None:  # the watcher is ending the process already
-                threading.Event().wait()
-            if isinstance(e, OtherProcessFailed):  # from together(): no news to the others
-                status, first = EXIT_STOPPED, None
-            else:
-                first = self._announce()
-                if first in (None, self.procs.index) or isinstance(e, _USER_ERRORS):
-                    status, first = _exit_status(e), None
-                else:
-                    # Most likely a collective that lost a process which stopped first (on
-                    # the CPU, gloo's "connection closed"): that one's error is the news.
-                    status = EXIT_STOPPED
-            self._leaving = (status, time.monotonic())
-            # The process ends at interpreter exit, once its error is printed
-            # (_end_if_leaving), or EXIT_GRACE_S from now (the watcher).
-            _leaving.append(self)
-        if first is not None:
-            raise OtherProcessFailed(first, self.procs.count, self.procs.index) from None
-        return False
-
-    def _announce(self) -> int | None:
-        """Tells the others that this process failed; which process failed first (this one or
-        another), or None when the service is out of reach."""
-        try:
-            try:  # without overwrite: the first to set it keeps it
-                self.client.key_value_set(self.prefix + "first", str(self.procs.index))
-                first = self.procs.index
-            except Exception:
-                first = int(self.client.key_value_try_get(self.prefix + "first"))
-            self.client.key_value_set(self._key("failed"), "1", allow_overwrite=True)
-            return first
-        except Exception:
-            return None
-
-    def _stop(self, why: str):
-        """The watcher's verdict: this process stops, with `why` on stderr (unless the block
-        has just raised here: then that takes its course)."""
-        with self._lock:
-            if self._leaving is not None:
-                return
-            self._leaving = (EXIT_STOPPED, time.monotonic())
-        self.end(("\n" if sys.stderr.isatty() else "")  # past a progress bar's line
-                 + f"error: {why}")
-
-    def end(self, line: str | None = None):
-        """Ends this process, after telling the others. Process 0 ends last, up to LAST_WAIT_S
-        later: it hosts the coordination service, and its end would abort the others' JAX
-        runtimes (a C++ fatal error) before they have seen the news and printed their line."""
-        _END.acquire()  # a second caller waits here for the first to end the process
-        if line:
-            print(line, file=sys.stderr, flush=True)
-        self._set("stopping")
-        if self.procs.index == 0:
-            deadline = time.monotonic() + LAST_WAIT_S
-            while time.monotonic() < deadline:
-                try:
-                    keys = {k for k, _ in self.client.key_value_dir_get(self.prefix)}
-                except Exception:
-                    break
-                if all(self._key("stopping", j) in keys
-                       for j in self.others if j not in self._silent):
-                    break
-                time.sleep(0.05)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        # os._exit, not sys.exit or a return: the main thread may be blocked inside XLA in a
-        # collective that will never complete (a watcher's sys.exit would only end the
-        # watcher), and a normal exit runs jax.distributed.shutdown() (an atexit handler),
-        # which waits at a barrier for every process, up to shutdown_timeout_seconds (300 s).
-        os._exit(self._leaving[0])
-
-    def _watch(self):
-        """Every POLL_S: a beat, then the news of the others; ends the process when another
-        one failed or fell silent, or when this one is slow to end after its own error."""
-        me, count = self.procs.index, self.procs.count
-        heard = time.monotonic()  # the service last answered
-        beats, seen = {}, {j: heard for j in self.others}
-        while not self._finished.wait(POLL_S):
-            now = time.monotonic()
-            with self._lock:
-                leaving = self._leaving
-            if leaving is not None:
-                if now - leaving[1] > EXIT_GRACE_S:
-                    self.end()
-                continue
-            try:
-                self.client.key_value_set(self._key("beat"), str(next(self._beats)),
-                                          allow_overwrite=True)
-                entries = dict(self.client.key_value_dir_get(self.prefix))
-                heard = now
-            except Exception:  # JAX's error polling most often ends the process first
-                if now - heard > SILENT_S:
-                    self._stop(f"the run's coordination service (process 0 of {count}) has "
-                               f"not answered for {SILENT_S:g} s; this process ({me}) stops "
-                               f"too")
-                continue
-            failed = [j for j in self.others if self._key("failed", j) in entries]
-            if failed:
-                first = int(entries.get(self.prefix + "first", failed[0]))
-                self._stop(str(OtherProcessFailed(failed[0] if first == me else first, count,
-                                                  me)))
-                continue
-            for j in self.others:
-                if self._key("done", j) in entries or self._key("stopping", j) in entries:
-                    continue
-                beat = entries.get(self._key("beat", j))
-                if beat != beats.get(j):
-                    beats[j], seen[j] = beat, now
-                elif now - seen[j] > SILENT_S:
-                    self._silent.add(j)
-                    self._stop(f"process {j} of {count} has not been heard from for "
-                               f"{SILENT_S:g} s (killed, or stuck); this process ({me}) stops "
-                               f"too")
-                    break
-
-    def _finish(self):
-        """The block ended well here: waits until it has on every process (watching on)."""
-        self._set("done")
-        pause = 0.01
-        while True:
-            try:
-                keys = {k for k, _ in self.client.key_value_dir_get(self.prefix)}
-                if all(self._key("done", j) in keys for j in self.others):
-                    break
-            except Exception:
-                pass
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S)
-        self._finished.set()
-        self._watcher.join()
+# The library's errors main() does not know: cmd_train says them as UsageErrors.
+LIBRARY_ERRORS = (ProcessError, TrainingError, metrics.MetricsError)
+# The errors main() (blujax/cli/__init__.py) prints in one line with status 2: a process's
+# own (see blujax.processes.Processes.fail_fast).
+USER_ERRORS = (UsageError, *ERRORS, *LIBRARY_ERRORS)
 
 
 def start(args) -> Processes:
@@ -360,7 +47,7 @@ def start(args) -> Processes:
         if given:
             raise UsageError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} "
                              f"to a run of several processes: give --num-processes too")
-        return Processes()
+        return Processes(errors=USER_ERRORS)
     if args.process_id is not None and not 0 <= args.process_id < count:
         raise UsageError(f"--process-id must lie in [0, --num-processes {count}), got "
                          f"{args.process_id}")
@@ -374,4 +61,4 @@ def start(args) -> Processes:
                          f"{ENV_COORDINATOR} and {ENV_PROCESS_ID})") from None
     if jax.process_count() != count:
         raise UsageError(f"--num-processes {count}, but JAX started {jax.process_count()}")
-    return Processes(jax.process_index(), count)
+    return Processes(jax.process_index(), count, USER_ERRORS)

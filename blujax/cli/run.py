@@ -2,7 +2,8 @@
 
 config.json records the run's settings, model, training config, data and device; `eval`,
 `sample` and `train --resume` read it back. A checkpoint holds the parameters, optimizer
-state, step and sampling key (the tree below), with the data loader's position beside them.
+state, step and sampling key (blujax.loop.checkpoint_tree), with the data loader's position
+beside them.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Callable
 
 import jax
 
-from blujax.checkpoint import NO_MANIFEST, Checkpointer, Restored
+from blujax import loop
+from blujax.checkpoint import Checkpointer, Restored
 from blujax.cli.corpus import DataSource
 from blujax.cli.settings import TrainSettings, UsageError, training_config
-from blujax.model import gpt2
-from blujax.train import TrainConfig, TrainState, init_state
+from blujax import model
+from blujax.train import TrainConfig, init_state
 
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt")
 
@@ -45,7 +47,7 @@ def load_run(out: Path) -> dict:
         raise UsageError(f"{path} is not valid JSON ({e})") from None
 
 
-def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: TrainConfig,
+def describe_run(s: TrainSettings, model_config, train_config: TrainConfig,
                  params, source: DataSource, train_tokens: int, fingerprint: str,
                  n_devices: int = 1, n_processes: int = 1, init_from: dict | None = None) -> dict:
     """What config.json holds. init_from: where the initial weights came from
@@ -54,8 +56,8 @@ def describe_run(s: TrainSettings, model_config: gpt2.GPT2Config, train_config: 
     return {
         "settings": dataclasses.asdict(s),
         "init_from": init_from,
-        "model": dict(name=s.model, **dataclasses.asdict(model_config),
-                      params=gpt2.num_params(params)),
+        "model": dict(name=s.model, **model.config_to_dict(model_config),
+                      params=sum(x.size for x in jax.tree.leaves(params))),
         "train": dataclasses.asdict(train_config),
         "data": {"description": source.description, "spec": s.data,
                  "train": [str(p) for p in source.train], "val": [str(p) for p in source.val],
@@ -83,55 +85,34 @@ def clear_run(out: Path):
 # Checkpoints
 
 
-def checkpoint_tree(state: TrainState, sample_key) -> dict:
-    return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
-            "sample_key": sample_key}
-
-
 def checkpoint_steps(out: Path) -> list[int]:
     """The steps of the run's checkpoints, read-only: a run saving there now is left alone."""
     return Checkpointer(checkpoint_dir(out), read_only=True).steps()
 
 
-def restore_latest(out: Path, s: TrainSettings, model_config: gpt2.GPT2Config, ops, *,
+def restore_latest(out: Path, s: TrainSettings, model_config, ops, *,
                    params_only: bool = False,
                    warn: Callable[[str], None] | None = None) -> Restored:
-    """The newest checkpoint of the run in `out` that verifies (a checkpoint.Restored: .tree,
-    .step, .loader), read without touching the folder (so every process of a run may read
-    it), on this process's first device.
-
-    A newer one that is corrupt, or whose manifest.json is gone, is skipped, with one line
-    to warn() for each (none if warn is None); if none verifies, CheckpointError says what
-    was tried. params_only=True restores the parameters alone ({"params": ...}), reading and
-    verifying only them: what `eval` and `sample` need, so that a damaged optimizer state
-    does not stop them."""
+    """The newest checkpoint of the run in `out` that verifies, on this process's first
+    device: blujax.loop.restore_latest, which falls back past damaged ones (a line to warn()
+    for each)."""
     reader = Checkpointer(checkpoint_dir(out), read_only=True)
     if not reader.steps() and not reader.incomplete_steps():
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
-    like = _checkpoint_like(s, model_config, ops)
-    if params_only:
-        like = {"params": like["params"]}
-    skipped = []
     try:
-        restored = reader.restore_latest(like, partial=params_only,
-                                         on_skip=lambda path, why: skipped.append((path, why)))
+        return loop.restore_latest(checkpoint_dir(out), _checkpoint_like(s, model_config, ops),
+                                   params_only=params_only, warn=warn)
     except FileNotFoundError:  # deleted since the listing
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
             from None
-    if warn is not None:
-        for path, why in skipped:
-            what = (f"{path} has {why}" if why == NO_MANIFEST
-                    else f"checkpoint {path} is corrupt ({why})")
-            warn(f"warning: {what}: skipped; restoring step {restored.step} instead")
-    return restored
 
 
-def _checkpoint_like(s: TrainSettings, model_config: gpt2.GPT2Config, ops):
+def _checkpoint_like(s: TrainSettings, model_config, ops):
     """The structure, shapes and dtypes of a checkpoint's tree, without computing it."""
     train_config = training_config(s)
 
     def build(key):
         state = init_state(model_config, train_config, key, ops=ops)
-        return checkpoint_tree(state, key)
+        return loop.checkpoint_tree(state, sample_key=key)
 
     return jax.eval_shape(build, jax.random.key(0))

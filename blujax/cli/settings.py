@@ -13,8 +13,8 @@ from pathlib import Path
 
 import jax
 
-from blujax.model import gpt2
-from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, check_model
+from blujax import model
+from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch
 from blujax.train import TrainConfig
 
 # What the samples at the end of training, and `sample` by default, continue.
@@ -135,7 +135,7 @@ def _data_spec(spec: str | None) -> str | None:
     return str(Path(spec).absolute())
 
 
-def check_settings(s: TrainSettings, model_config: gpt2.GPT2Config):
+def check_settings(s: TrainSettings, model_config):
     """Refuses settings that cannot train, before anything is read or compiled."""
     for name in ("steps", "batch", "seq", "accum", "eval_batches"):
         if getattr(s, name) < 1:
@@ -173,7 +173,7 @@ def check_number(flag: str, value: float, *, low: float | None = None, high: flo
         raise UsageError(f"{flag} must be <= {high:g}, got {value:g}")
 
 
-def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):
+def check_parallel(s: TrainSettings, model_config):
     """The mesh fits the devices, the model and the batches (blujax.sharding's checks), before
     anything is compiled."""
     for name in ("dp", "tp", "cp"):
@@ -196,7 +196,7 @@ def check_parallel(s: TrainSettings, model_config: gpt2.GPT2Config):
     sizes = {DATA: s.dp, TENSOR: s.tp, CONTEXT: s.cp}
     micro = s.batch // s.accum
     try:
-        check_model(model_config, sizes)
+        model.family_of(model_config).check_mesh(model_config, sizes)
         check_batch((micro, s.seq), sizes, model_config)
     except ValueError as e:
         raise UsageError(f"{str(e).removeprefix('blujax.sharding: ')} (--dp {s.dp}, --tp "
@@ -210,22 +210,21 @@ def parallel_devices(s: TrainSettings) -> list:
     return jax.devices()[:s.n_devices]
 
 
-def model_preset(name: str) -> gpt2.GPT2Config:
+def model_preset(name: str):
     """The preset `name`; an unknown name is a UsageError that lists the presets."""
     try:
-        return gpt2.get_config(name)
+        return model.get_config(name)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def run_model_config(run: dict) -> gpt2.GPT2Config:
+def run_model_config(run: dict):
     """The model of a run, from its config.json: the shape it records (a run started from
     pretrained weights has no preset), else its preset's."""
-    model = run.get("model", {})
-    fields = [f.name for f in dataclasses.fields(gpt2.GPT2Config)]
-    if all(name in model for name in fields):
-        return gpt2.GPT2Config(**{name: model[name] for name in fields})
-    return model_preset(run["settings"]["model"])
+    try:
+        return model.config_from_dict(run.get("model", {}))
+    except ValueError:
+        return model_preset(run["settings"]["model"])
 
 
 def training_config(s: TrainSettings) -> TrainConfig:

@@ -1,18 +1,14 @@
-"""`train`: a new run, or one resumed bit for bit from its latest checkpoint, and its loop.
+"""`train`: a new run, or one resumed bit for bit from its latest checkpoint.
 
 cmd_train settles the settings, the run folder and the data, builds or restores the state,
-then _TrainLoop runs the steps: timing, metrics, validation, checkpoints, the profile and
-the progress display around the jitted train step.
+the steps, the evaluation hooks and the sinks of the records (metrics.jsonl, loss.png, the
+progress display), then blujax.loop runs the steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import sys
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -20,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax import data, hellaswag, sharding
+from blujax import data, hellaswag, loop, metrics, model, sharding
 from blujax.checkpoint import Checkpointer
 from blujax.cli import processes, report, run
 from blujax.cli.lock import RunLock
@@ -30,11 +26,10 @@ from blujax.cli.generate import (GPT2_VOCAB, check_gpt2_vocab, encode, generate_
 from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
                                  check_settings, model_preset, parallel_devices,
                                  resolve_train_settings, run_model_config, training_config)
-from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from blujax.sharding.mesh import check_batch, mesh_sizes
-from blujax.train import (TrainState, init_state, make_eval_step, make_train_step,
-                          peak_flops, schedule, state_from_params)
+from blujax.train import (batch_sharding, gather, init_state, make_eval_step, make_train_step,
+                          peak_flops, place_state, schedule, state_from_params)
 
 EXIT_INTERRUPTED = 130
 
@@ -43,8 +38,11 @@ def cmd_train(args) -> int:
     # First of all: with several processes, jax.distributed must start before anything asks
     # JAX for its devices (the settings' defaults do).
     procs = processes.start(args)
-    with contextlib.ExitStack() as held:  # the run folder's lock, until the command ends
-        return _train(args, procs, held)
+    try:
+        with contextlib.ExitStack() as held:  # the run folder's lock, until the command ends
+            return _train(args, procs, held)
+    except processes.LIBRARY_ERRORS as e:  # main() prints its own kinds of error only
+        raise UsageError(str(e)) from None
 
 
 def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
@@ -118,9 +116,9 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
                 raise UsageError(f"--resume: {e}") from None
             extension = _extension(saved, s, restored.step)
             try:  # steps after the checkpoint were lost with the run that made them
-                records = [r for r in report.read_metrics(out / "metrics.jsonl", warn)
+                records = [r for r in metrics.read_metrics(out / "metrics.jsonl", warn)
                            if r["step"] <= restored.step]
-            except report.MetricsError as e:
+            except metrics.MetricsError as e:
                 raise UsageError(str(e)) from None
         # Process 0 alone writes checkpoints; the others only take part in gathering them.
         # Whether it can is found out now, not at the first save.
@@ -139,27 +137,24 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
                 procs.global_array(np.asarray(y), val_sharding)) for x, y in val]
     if args.resume:
         tree = restored.tree
-        state = TrainState(tree["step"], tree["params"], tree["opt_state"])
+        state = loop.state_of(tree)
         if mesh is not None:  # checkpoints keep the single-device layout, whatever the mesh
-            state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
+            state = place_state(state, model_config, mesh, shard_optimizer=s.zero)
         if procs.lead:
             _note_mesh_change(saved["settings"], s)
             if extension:
                 _note_extension(extension, saved, s)
         sample_key = tree["sample_key"]
     elif pretrained is not None:
-        state = state_from_params(pretrained.params, train_config, ops)
+        state = state_from_params(model_config, pretrained.params, train_config, ops)
         if mesh is not None:
-            state = sharding.shard_state(state, mesh, shard_optimizer=s.zero)
+            state = place_state(state, model_config, mesh, shard_optimizer=s.zero)
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
     else:
-        if mesh is None:
-            state = init_state(model_config, train_config, jax.random.key(s.seed), ops=ops)
-        else:  # the same values, made in their shards
-            state = sharding.init_sharded_state(model_config, train_config,
-                                                jax.random.key(s.seed), mesh, ops,
-                                                shard_optimizer=s.zero)
+        # On a mesh, the same values, made in their shards.
+        state = init_state(model_config, train_config, jax.random.key(s.seed), ops, mesh,
+                           shard_optimizer=s.zero)
         sample_key = jax.random.fold_in(jax.random.key(s.seed), 1)
         records = []
 
@@ -177,10 +172,11 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
     if procs.lead:
         try:
             run.write_json(run.config_path(out), config)
-            report.write_metrics(out / "metrics.jsonl", records)
+            metrics.write_metrics(out / "metrics.jsonl", records)
         except OSError as e:
             raise UsageError(f"cannot write in {out}: {e}") from None
-        print(f"GPT-2 {s.model}: {config['model']['params'] / 1e6:.1f}M parameters"
+        print(f"{model.family_of(model_config).TITLE} {s.model}: "
+              f"{config['model']['params'] / 1e6:.1f}M parameters"
               + (f" from {s.init_from}" if s.init_from else "") + f", {s.ops} "
               f"ops, {s.dtype}, on {where}; data: {source.description}, {sum(counts):,} "
               f"training tokens; {s.batch} x {s.seq} tokens per step"
@@ -188,27 +184,55 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
               + (f"; resuming after step {int(state.step)}" if args.resume else "")
               + f"; writing to {out}", flush=True)
 
+    train_step, eval_step, batches_on = _steps(model_config, train_config, ops, mesh, s)
+    evals = []
+    if val:
+        evals.append(loop.val_loss_hook(eval_step, val))
+    if items:
+        evals.append(_hellaswag_hook(items, model_config, ops, train_config.compute_dtype,
+                                     mesh, procs))
     peak = peak_flops(device, s.dtype)
-    loop = _TrainLoop(s, model_config, train_config, ops, out, records, progress, mesh, procs,
-                      peak=peak and peak * len(devices),
-                      flops_per_token=gpt2.flops_per_token(model_config, s.seq),
-                      hellaswag_items=items)
+    settings = loop.LoopConfig(
+        steps=s.steps, stop_after=stop_after, save_every=s.save_every, eval_every=s.eval_every,
+        accum=s.accum, profile=args.profile,
+        flops_per_token=model.family_of(model_config).flops_per_token(model_config, s.seq),
+        peak_flops=peak and peak * len(devices))
+    start = int(state.step)
+    bar = metrics.Progress(start, s.steps, progress, every=max(1, s.steps // 20),
+                           tokens_per_step=s.batch * s.seq,
+                           flops_per_token=settings.flops_per_token, peak=settings.peak_flops)
+    trace = settings.traced(start)
+    if args.profile and trace.stop > stop_after:  # said here, in the flag's words
+        if procs.lead:
+            bar.write(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
+                      f"this run ends after step {stop_after}: no trace")
+        settings = dataclasses.replace(settings, profile=None)
+    plot = metrics.LossPlot(out / "loss.png", report.plot_title(s, model_config), records)
     with procs.fail_fast():  # an error on one process stops all of them
-        state, stopped = loop.train(state, sample_key, loader, val, checkpointer, stop_after,
-                                    args.profile)
+        with bar:
+            state, stop = loop.run(
+                state, train_step, loader, settings, checkpointer=checkpointer,
+                extras={"sample_key": sample_key},
+                # Checkpoints keep the single-device layout, whatever the mesh.
+                checkpoint_state=None if mesh is None else gather,
+                checkpoint_config=dataclasses.asdict(s), evals=evals,
+                sinks=[metrics.MetricsFile(out / "metrics.jsonl"), bar, plot],
+                processes=procs, batch_sharding=batches_on, note=bar.write)
         if checkpointer is not None:
             checkpointer.wait()  # the last save's error, if any, is this command's
     if procs.lead:
-        report.plot_losses(records, out / "loss.png", report.plot_title(s, model_config))
+        plot.draw()
     last = int(state.step)
-    if stopped is not None and stopped.error is not None:
-        raise stopped.error
+    if isinstance(stop.error, loop.NonFiniteError):
+        raise UsageError(f"{stop.error}; a lower --lr or a longer --warmup may help")
+    if stop.error is not None:
+        raise stop.error
     if last < s.steps:
         if procs.lead:
             print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
                   f"{run.checkpoint_dir(out)}. Continue with: train --resume --out {out}",
                   flush=True)
-        return EXIT_INTERRUPTED if stopped is not None else 0
+        return EXIT_INTERRUPTED if stop.reason == loop.SIGNAL else 0
     if procs.lead:
         _print_summary(records, last, out)
     if s.sample_tokens and model_config.vocab_size != GPT2_VOCAB:
@@ -217,7 +241,7 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
                         f"tokens) is not GPT-2's, whose encoding the prompt is in")
     elif s.sample_tokens:
         # Every process gathers the params (collectives); process 0 samples from its copy.
-        params = state.params if mesh is None else sharding.unshard_params(state.params)
+        params = state.params if mesh is None else gather(state.params)
         if procs.lead:
             if procs.count > 1:  # whole on each of this process's devices: take the first
                 params = jax.tree.map(lambda x: x.addressable_data(0), params)
@@ -285,7 +309,7 @@ def _open_loader(s: TrainSettings, source, counts: list[int], saved: dict | None
             f"too few tokens for one batch: --batch {s.batch} x --seq {s.seq} needs {need} "
             f"tokens in one shard, and the largest training shard has {max(counts)} "
             f"({source.description}); lower --batch or --seq, or give more text")
-    # Whole batches, on every process (see _TrainLoop.train).
+    # Whole batches, on every process (see loop.run).
     loader = data.DataLoader(source.train, None, batch_size=s.batch, seq_len=s.seq,
                              seed=s.seed, process_index=0, process_count=1,
                              vocab_size=vocab_size)
@@ -337,245 +361,22 @@ def _write_samples(s: TrainSettings, model_config, ops, params, sample_key, out:
         print(f"--- sample {i + 1} ---\n{t}")
 
 
-@dataclasses.dataclass
-class _Stopped:
-    """Why a run ended before --stop-after: a signal (error None) or a fault (its error, to
-    raise once the run's files are written)."""
-
-    error: Exception | None = None
-
-
-class _StopRequest:
-    """SIGINT / SIGTERM ask the loop to stop after the step under way and save a checkpoint;
-    a second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
-                                                        signal.default_int_handler))
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
-              f"checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def _steps(model_config, train_config, ops, mesh, s: TrainSettings):
+    """The jitted train and eval steps, and where a batch goes (None: the default device):
+    the single-device steps, or the sharded ones over `mesh`."""
+    return (make_train_step(model_config, train_config, ops, mesh, shard_optimizer=s.zero),
+            make_eval_step(model_config, train_config, ops, mesh), batch_sharding(mesh))
 
 
-class _TrainLoop:
-    """The steps of one process's share of a run: timing, metrics, validation, checkpoints,
-    the profile and the progress display around the jitted train step."""
+def _hellaswag_hook(items, model_config, ops, dtype, mesh, procs: processes.Processes):
+    """An evaluation hook: HellaSwag's scores of the params, on one device in the model's
+    layout (every process scores all items itself)."""
+    def hellaswag_scores(step, state) -> dict:
+        params = state.params
+        if mesh is not None:
+            params = gather(params)
+            params = (jax.tree.map(lambda x: x.addressable_data(0), params)
+                      if procs.count > 1 else jax.device_put(params, jax.devices()[0]))
+        return hellaswag.score(params, model_config, items, ops=ops, dtype=dtype)
 
-    PROFILE_AFTER, PROFILE_STEPS = 3, 3
-    # Non-finite steps in a row (each skipped by the train step) after which the run stops.
-    MAX_NONFINITE = 10
-    # With several processes, how often they agree whether a signal asked for a stop.
-    STOP_POLL = 10
-
-    def __init__(self, s: TrainSettings, model_config, train_config, ops, out: Path,
-                 records: list, progress: bool, mesh, procs=processes.Processes(), *, peak,
-                 flops_per_token, hellaswag_items=None):
-        self.s, self.model_config, self.out, self.records = s, model_config, out, records
-        self.ops, self.hellaswag_items = ops, hellaswag_items
-        self.progress, self.procs = progress, procs
-        self.peak, self.flops_per_token = peak, flops_per_token
-        self.mesh = mesh
-        if mesh is None:
-            self.train_step = make_train_step(model_config, train_config, ops=ops)
-            self.eval_step = make_eval_step(model_config, train_config, ops=ops)
-            self.batch_sharding = None  # the default device
-        else:
-            self.train_step = sharding.make_sharded_train_step(
-                model_config, train_config, mesh, ops, shard_optimizer=s.zero)
-            self.eval_step = sharding.make_sharded_eval_step(model_config, train_config, mesh,
-                                                             ops)
-            self.batch_sharding = sharding.batch_sharding(mesh)
-        self.train_config_dtype = train_config.compute_dtype
-        self.tokens_per_step = s.batch * s.seq
-        self.throughput = report.Throughput()
-
-    def train(self, state, sample_key, loader, val_batches, checkpointer, stop_after, profile):
-        """Steps from state.step up to stop_after; returns the last state and a _Stopped if
-        the run ended early (a signal, or a fault: its error is then set, and a checkpoint of
-        the state was saved first). checkpointer: None on the processes that do not write."""
-        s = self.s
-        start = int(state.step)
-        bar = report.Progress(start, s.steps, self.progress, every=max(1, s.steps // 20))
-        self.bar = bar
-        self.nonfinite = []  # the steps of the current run of non-finite steps
-        trace = range(start + self.PROFILE_AFTER, start + self.PROFILE_AFTER + self.PROFILE_STEPS)
-        if profile and trace.stop > stop_after:
-            self._note(f"warning: --profile traces steps {trace.start + 1}-{trace.stop}, but "
-                       f"this run ends after step {stop_after}: no trace")
-            profile = None
-        micro = s.batch // s.accum
-        pending = None     # (step, metrics): dispatched, not read back yet
-        timed = False      # the first step of a process compiles: it is not timed
-        stopped = None     # a _Stopped, once the run ends early
-
-        def save(step):
-            # In the single-device layout, whatever the mesh; gathered on every process,
-            # written by one.
-            saved = state if self.mesh is None else sharding.unshard_state(state)
-            if checkpointer is not None:
-                checkpointer.save(step, run.checkpoint_tree(saved, sample_key),
-                                  loader=loader.state(), config=dataclasses.asdict(s))
-
-        try:
-            with _StopRequest() as stop:
-                t_ref = time.perf_counter()
-                for index in range(start, stop_after):
-                    step = index + 1
-                    if checkpointer is not None:
-                        checkpointer.raise_if_failed()  # a failed save stops the run now
-                    try:
-                        # The whole batch, on every process: each puts in the pieces its
-                        # devices hold, which are not a slice of rows per process once
-                        # "tensor" or "context" spans processes (or "data" does not).
-                        batch = next(loader)  # the loader never writes these arrays again
-                    except data.DataError as e:
-                        # Unreadable data (a shard changed since it was checked): keep what
-                        # is trained, then stop.
-                        if pending is not None:
-                            self._log(self._finish(*pending, t_ref, timed)[0])
-                            pending = None
-                        save(index)
-                        stopped = _Stopped(data.DataError(
-                            f"{e}; stopped before step {step}, with a checkpoint of step "
-                            f"{index} in {run.checkpoint_dir(self.out)}"))
-                        break
-                    inputs = self.procs.global_array(batch.inputs.reshape(s.accum, micro, -1),
-                                                     self.batch_sharding)
-                    targets = self.procs.global_array(
-                        batch.targets.reshape(s.accum, micro, -1), self.batch_sharding)
-                    # One trace, of process 0 (the others' would share its file names).
-                    if profile and index == trace.start and self.procs.lead:
-                        jax.profiler.start_trace(str(profile))
-                    state, metrics = self.train_step(state, inputs, targets)
-                    diverged = False
-                    if pending is not None:  # read the previous step while this one runs
-                        record, t_ref = self._finish(*pending, t_ref, timed)
-                        timed = True
-                        self._log(record)
-                        diverged = self._diverged(record)
-                    pending = (step, metrics)
-                    eval_due = (bool(val_batches or self.hellaswag_items)
-                                and (step % s.eval_every == 0 or step == s.steps))
-                    save_due = bool(s.save_every) and step % s.save_every == 0
-                    stopping = self._stop_agreed(stop.requested, step)
-                    last = step == stop_after or stopping or diverged
-                    trace_end = bool(profile) and step == trace.stop
-                    if not (eval_due or save_due or last or trace_end):
-                        continue
-                    record, _ = self._finish(*pending, t_ref, timed)
-                    pending, timed = None, True
-                    diverged = self._diverged(record) or diverged
-                    if trace_end and self.procs.lead:
-                        jax.profiler.stop_trace()
-                        self._note(f"profile of steps {trace.start + 1}-{step} written to "
-                                   f"{profile}")
-                    if eval_due and not diverged:
-                        record.update(self._evaluate(state.params, val_batches))
-                    self._log(record)
-                    if eval_due and self.procs.lead:
-                        report.plot_losses(self.records, self.out / "loss.png",
-                                           report.plot_title(s, self.model_config))
-                    if save_due or last or diverged:
-                        save(step)
-                    if diverged:
-                        first, n = self.diverged_steps[0], len(self.diverged_steps)
-                        stopped = _Stopped(UsageError(
-                            f"the loss or gradient norm was not finite in {n} steps in a row "
-                            f"(steps {first}-{step}; none of them updated the parameters): "
-                            f"stopped, with a checkpoint of step {step} in "
-                            f"{run.checkpoint_dir(self.out)} whose parameters are step "
-                            f"{first - 1}'s; a lower --lr or a longer --warmup may help"))
-                        break
-                    if stopping:
-                        if step < stop_after:
-                            stopped = _Stopped()
-                        break
-                    t_ref = time.perf_counter()  # evaluating and saving are not step time
-        finally:
-            bar.close()
-        return state, stopped
-
-    def _finish(self, step, metrics, t_ref, timed):
-        """Reads back a step's metrics (waiting for the step to end); its record, and the
-        time it was read back, which is where the next step's time starts."""
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        seconds = now - t_ref
-        rate = self.tokens_per_step / seconds if timed else None
-        if timed:
-            self.throughput.add(seconds)
-        record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                  "tokens_per_s": rate, "step_time_s": seconds,
-                  "mfu": report.mfu(rate, self.flops_per_token, self.peak),
-                  "skipped": bool(m.get("skipped", 0.0))}
-        return record, now
-
-    def _diverged(self, record) -> bool:
-        """Counts the run of skipped (non-finite) steps; whether it reached MAX_NONFINITE."""
-        if not record["skipped"]:
-            self.nonfinite = []
-            return False
-        self.nonfinite.append(record["step"])
-        if len(self.nonfinite) == 1:  # once a run of them: metrics.jsonl marks each
-            self._note(f"warning: step {record['step']}: loss {record['loss']}, gradient norm "
-                       f"{record['grad_norm']}: not finite, so the step was skipped (the "
-                       f"parameters were not updated); {self.MAX_NONFINITE} in a row stop "
-                       f"the run")
-        if len(self.nonfinite) < self.MAX_NONFINITE:
-            return False
-        self.diverged_steps = list(self.nonfinite)
-        return True
-
-    def _note(self, text: str):
-        if self.procs.lead:
-            self.bar.write(text)
-
-    def _stop_agreed(self, requested: bool, step: int) -> bool:
-        """Whether to stop after this step. With several processes, a signal may reach some of
-        them only, and all must stop after the same step: they agree every STOP_POLL steps
-        (a collective, which waits for the step to end; not every step, so that the host
-        stays a step ahead of the devices)."""
-        if self.procs.count == 1:
-            return requested
-        return step % self.STOP_POLL == 0 and self.procs.any(requested)
-
-    def _evaluate(self, params, val_batches) -> dict:
-        """The validation loss, and HellaSwag's scores where asked for."""
-        result = {}
-        if val_batches:
-            losses = [self.eval_step(params, x, y) for x, y in val_batches]
-            result["val_loss"] = float(np.mean(jax.device_get(losses)))
-        if self.hellaswag_items:
-            # On one device, in the model's layout: every process scores all items itself.
-            if self.mesh is not None:
-                params = sharding.unshard_params(params)
-                params = (jax.tree.map(lambda x: x.addressable_data(0), params)
-                          if self.procs.count > 1 else jax.device_put(params, jax.devices()[0]))
-            result.update(hellaswag.score(params, self.model_config, self.hellaswag_items,
-                                          ops=self.ops, dtype=self.train_config_dtype))
-        return result
-
-    def _log(self, record):
-        self.records.append(record)
-        if self.procs.lead:
-            path = self.out / "metrics.jsonl"
-            try:
-                report.append_metrics(path, record)
-            except OSError as e:
-                raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
-        rate = self.throughput.tokens_per_s(self.tokens_per_step)
-        self.bar.update(record, report.mfu(rate, self.flops_per_token, self.peak), rate)
+    return hellaswag_scores

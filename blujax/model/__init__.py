@@ -1,1 +1,55 @@
-"""Models as pure functions over parameter pytrees; each takes its kernels as an `ops` namespace."""
+"""Models as pure functions over parameter pytrees; each takes its kernels as an `ops` namespace.
+
+A model family is a module with the names of `family.Family`; FAMILIES registers them, and
+everything above the model layer finds a config's family with `family_of(config)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from blujax.model import gpt2
+from blujax.model.family import Family
+
+FAMILIES: dict[str, Family] = {gpt2.NAME: gpt2}
+
+
+def family_of(config) -> Family:
+    """The family module whose Config `config` is."""
+    for family in FAMILIES.values():
+        if isinstance(config, family.Config):
+            return family
+    raise TypeError(f"{type(config).__name__} is not the config of a registered model family "
+                    f"({', '.join(FAMILIES)})")
+
+
+def presets() -> dict:
+    """Every family's presets by name: {name: config}."""
+    return {name: config for family in FAMILIES.values()
+            for name, config in family.PRESETS.items()}
+
+
+def get_config(name: str):
+    """The preset config called `name`, of whichever family."""
+    every = presets()
+    if name not in every:
+        raise ValueError(f"unknown model {name!r}; the presets are: {', '.join(every)}")
+    return every[name]
+
+
+def config_to_dict(config) -> dict:
+    """A config as config.json keeps it: its fields and its family's name."""
+    return {"family": family_of(config).NAME, **dataclasses.asdict(config)}
+
+
+def config_from_dict(d: dict):
+    """The config config_to_dict wrote (a dict without "family" is GPT-2's: runs written before
+    there were families); extra keys (a name, a parameter count) are ignored."""
+    name = d.get("family", gpt2.NAME)
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r} (blujax has {', '.join(FAMILIES)})")
+    cls = FAMILIES[name].Config
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in d]
+    if missing:
+        raise ValueError(f"the model config lacks {', '.join(missing)}")
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})

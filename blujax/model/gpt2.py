@@ -14,6 +14,9 @@ The layers' parameters are stacked along a leading axis; the blocks run under `l
 compile time does not grow with depth, or as a Python loop on a GPU (see `forward`). Each
 residual add is fused into the LayerNorm after it (`add_layer_norm`): the carry is (residual
 stream, the sublayer output not yet added).
+
+This module is a model family (blujax/model/family.py): the train step, sharding, sampling,
+evaluation and interop reach GPT-2 through the names that file lists.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax.kernels._util import match_vma
+from blujax.model.family import ONE_DEVICE, Param, axes_of, split
+
+NAME = "gpt2"
+TITLE = "GPT-2"  # how messages name the family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +62,9 @@ class GPT2Config:
         return self.n_embd // self.n_head
 
 
+Config = GPT2Config
+
+
 PRESETS = {
     "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),             # 124M
     "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),     # 350M
@@ -73,42 +83,63 @@ def get_config(name: str) -> GPT2Config:
     return PRESETS[name]
 
 
+def declare(config: GPT2Config, key) -> dict:
+    """GPT-2's parameters with their logical axes (family.Param), initialized as GPT-2 is:
+    normal(0.02) weights, residual projections normal(0.02 / sqrt(2 n_layer)), zero biases,
+    unit LayerNorm scales, all float32; the padded vocabulary rows zero.
+
+    The fused QKV projection is [L, C, 3, C] (bias [L, 3, C]): q, k and v side by side, each
+    of n_head heads of head_dim, so that a split of its last axis over devices gives each
+    whole heads of all three. "heads" is such an axis (n_head x head_dim); "layers" stacks the
+    blocks (the scan's axis)."""
+    L, C, std = config.n_layer, config.n_embd, 0.02
+    proj_std = std / math.sqrt(2 * config.n_layer)
+    k = jax.random.split(key, 6)
+
+    def normal(key, shape, scale, axes):
+        return Param(scale * jax.random.normal(key, shape, jnp.float32), axes)
+
+    def zeros(shape, axes):
+        return Param(jnp.zeros(shape, jnp.float32), axes)
+
+    def norm():
+        return {"w": Param(jnp.ones((L, C)), ("layers", "embed")),
+                "b": zeros((L, C), ("layers", "embed"))}
+
+    wte = normal(k[0], (config.padded_vocab_size, C), std, ("vocab", "embed"))
+    wte = Param(wte.value.at[config.vocab_size:].set(0.0), wte.axes)
+    return {
+        "wte": wte,
+        "wpe": normal(k[1], (config.block_size, C), std, ("positions", "embed")),
+        "blocks": {
+            "ln1": norm(),
+            "attn": {"w": normal(k[2], (L, C, 3, C), std, ("layers", "embed", "qkv", "heads")),
+                     "b": zeros((L, 3, C), ("layers", "qkv", "heads"))},
+            "attn_proj": {"w": normal(k[3], (L, C, C), proj_std, ("layers", "heads", "embed")),
+                          "b": zeros((L, C), ("layers", "embed"))},
+            "ln2": norm(),
+            "mlp_fc": {"w": normal(k[4], (L, C, 4 * C), std, ("layers", "embed", "mlp")),
+                       "b": zeros((L, 4 * C), ("layers", "mlp"))},
+            "mlp_proj": {"w": normal(k[5], (L, 4 * C, C), proj_std, ("layers", "mlp", "embed")),
+                         "b": zeros((L, C), ("layers", "embed"))},
+        },
+        "ln_f": {"w": Param(jnp.ones((C,)), ("embed",)), "b": zeros((C,), ("embed",))},
+    }
+
+
 def init(config: GPT2Config, key) -> dict:
-    """GPT-2's initialization: normal(0.02) weights, residual projections normal(0.02 /
-    sqrt(2 n_layer)), zero biases, unit LayerNorm scales. All float32."""
+    """The params `declare` creates, without their axes. All float32."""
     return _init(config, key)
 
 
 @partial(jax.jit, static_argnums=0)
 def _init(config: GPT2Config, key) -> dict:
-    L, C, std = config.n_layer, config.n_embd, 0.02
-    proj_std = std / math.sqrt(2 * config.n_layer)
-    k = jax.random.split(key, 6)
+    return split(declare(config, key))[0]
 
-    def normal(key, shape, scale):
-        return scale * jax.random.normal(key, shape, jnp.float32)
 
-    def linear(key, n_in, n_out, scale):
-        return {"w": normal(key, (L, n_in, n_out), scale), "b": jnp.zeros((L, n_out))}
-
-    def norm():
-        return {"w": jnp.ones((L, C)), "b": jnp.zeros((L, C))}
-
-    wte = normal(k[0], (config.padded_vocab_size, C), std)
-    wte = wte.at[config.vocab_size:].set(0.0)
-    return {
-        "wte": wte,
-        "wpe": normal(k[1], (config.block_size, C), std),
-        "blocks": {
-            "ln1": norm(),
-            "attn": linear(k[2], C, 3 * C, std),
-            "attn_proj": linear(k[3], C, C, proj_std),
-            "ln2": norm(),
-            "mlp_fc": linear(k[4], C, 4 * C, std),
-            "mlp_proj": linear(k[5], 4 * C, C, proj_std),
-        },
-        "ln_f": {"w": jnp.ones((C,)), "b": jnp.zeros((C,))},
-    }
+def logical_axes(config: GPT2Config) -> dict:
+    """Each parameter's logical axes (a tuple of names per leaf), as `declare` states them."""
+    return axes_of(declare, config)
 
 
 def decay_mask(params) -> dict:
@@ -133,6 +164,18 @@ def flops_per_token(config: GPT2Config, seq_len: int) -> float:
     return 6.0 * matmul_weights + 12.0 * L * seq_len * C
 
 
+def check_mesh(config: GPT2Config, sizes: dict[str, int]) -> None:
+    """The model splits over the mesh: whole heads and equal vocabulary slices per device."""
+    tp = sizes["tensor"]
+    if config.n_head % tp:
+        raise ValueError(f"blujax.sharding: n_head ({config.n_head}) must be divisible by the "
+                         f"tensor axis ({tp}): each device holds whole attention heads")
+    if config.padded_vocab_size % tp:
+        raise ValueError(f"blujax.sharding: padded_vocab_size ({config.padded_vocab_size}) must "
+                         f"be divisible by the tensor axis ({tp}) for the vocabulary-parallel "
+                         f"embedding and loss")
+
+
 def cast(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype), params)
 
@@ -148,19 +191,39 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
     scan_layers: run the blocks under `lax.scan` (compile time independent of depth) or as a
     Python loop. None picks the loop on a GPU, where a scan costs copies around our custom
     calls (their operands and results are copied out of and into slices of the scan's stacked
-    activations: 7% of a GPT-2 124M step), and the scan elsewhere. Both compute the same values.
+    activations), and the scan elsewhere. Both compute the same values.
 
     parallel: None on one device. Inside `shard_map`, a `blujax.sharding.Parallel`: the
     params and tokens are then this device's shards and the logits its block
     [B, T_local, padded_vocab_size / tensor] (see blujax/sharding/parallel.py).
     """
-    check_tokens(tokens, config)
     par = ONE_DEVICE if parallel is None else parallel
+    p, carry = _blocks(params, tokens, config=config, ops=ops, dtype=dtype, remat=remat,
+                       par=par, scan_layers=scan_layers)
+    return _head(p, *carry, ops, par)
+
+
+def hidden(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32,
+           scan_layers: bool | None = None):
+    """The final LayerNorm's output [B, T, C] in `dtype` (one device): `forward` without the
+    LM head, for work that needs logits at some positions only (`head`)."""
+    p, (s, d, d_bias) = _blocks(params, tokens, config=config, ops=ops, dtype=dtype,
+                                remat=False, par=ONE_DEVICE, scan_layers=scan_layers)
+    return ops.add_layer_norm(d, s, p["ln_f"]["w"], p["ln_f"]["b"], x_bias=d_bias)[0]
+
+
+def head(params, h, *, dtype=jnp.float32):
+    """Logits [..., padded_vocab_size] of hidden states h [..., C] (the tied embedding)."""
+    return h.astype(dtype) @ params["wte"].astype(dtype).T
+
+
+def _blocks(params, tokens, *, config, ops, dtype, remat, par, scan_layers):
+    """(the non-block params in dtype, the carry (s, d, d_bias) after the last block)."""
+    check_tokens(tokens, config)
     # Each layer's params are cast where the layer runs, after `par.share`: a parallel run may
     # hook its gradient reduction there, in float32, one layer at a time.
     p = cast(par.share({k: v for k, v in params.items() if k != "blocks"}), dtype)
-    attend = par.attend(ops)
-    block = partial(_block, n_head=config.n_head, ops=ops, attend=attend, par=par)
+    block = partial(_block, head_dim=config.head_dim, ops=ops, attend=par.attend(ops), par=par)
 
     def step(carry, layer):
         *carry, _ = block(cast(par.share(layer), dtype), *carry)
@@ -170,13 +233,13 @@ def forward(params, tokens, *, config: GPT2Config, ops, dtype=jnp.float32, remat
         step = jax.checkpoint(step)
     if scan_layers is None:
         scan_layers = jax.default_backend() != "gpu"
-    carry = start(*par.embed(p, tokens))
+    carry = start(*_embed(p, tokens, par))
     if scan_layers:
         carry, _ = jax.lax.scan(step, carry, params["blocks"])
     else:
         for i in range(config.n_layer):
             carry, _ = step(carry, jax.tree.map(lambda x: x[i], params["blocks"]))
-    return _head(p, *carry, ops, par)
+    return p, carry
 
 
 def check_tokens(tokens, config: GPT2Config):
@@ -190,43 +253,11 @@ def check_tokens(tokens, config: GPT2Config):
                          f"{config.block_size}] (the model's block_size)")
 
 
-def _embed(p, tokens, start=0):
-    tok = jnp.take(p["wte"], tokens, axis=0)
-    pos = jax.lax.dynamic_slice_in_dim(p["wpe"], start, tokens.shape[1])
+def _embed(p, tokens, par, start=0):
+    """(token, position) embeddings [B, T, C] of this device's tokens."""
+    tok = par.embed_tokens(p["wte"], tokens)
+    pos = par.at_positions(p["wpe"], tokens.shape[1], start)
     return tok, jnp.broadcast_to(pos, tok.shape)
-
-
-class _OneDevice:
-    """The hooks `forward` calls where a parallel run communicates; on one device, nothing.
-
-    share: parameters (float32) as a layer takes them; embed: (token, position) embeddings;
-    gather_matmul: a LayerNorm output times a column-parallel weight; matmul_reduce: a
-    row-parallel product, its partial sums reduced; attend: the attention function, of the
-    fused projection's qkv [B, T, 3, H, D].
-    """
-
-    @staticmethod
-    def share(params):
-        return params
-
-    @staticmethod
-    def embed(p, tokens):
-        return _embed(p, tokens)
-
-    @staticmethod
-    def gather_matmul(x, w):
-        return x @ w
-
-    @staticmethod
-    def matmul_reduce(x, w):
-        return x @ w
-
-    @staticmethod
-    def attend(ops):
-        return partial(_attend, ops)
-
-
-ONE_DEVICE = _OneDevice()
 
 
 def start(s, d):
@@ -241,23 +272,18 @@ def _head(p, s, d, d_bias, ops, par=ONE_DEVICE):
     return par.gather_matmul(h, p["wte"].T)
 
 
-def _attend(ops, qkv):
-    """Causal attention over qkv [B, T, 3, H, D]: (output, the layer's (k, v))."""
-    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
-
-
-def _block(layer, s, d, d_bias, *, n_head, ops, attend, par=ONE_DEVICE):
+def _block(layer, s, d, d_bias, *, head_dim, ops, attend, par=ONE_DEVICE):
     """One transformer block. s: the residual stream so far; d + d_bias: the previous sublayer's
     output, still to be added to it (each output projection's bias is added in the LayerNorm
     after it, which saves a pass over the activations). Returns the new (s, d, d_bias) and what
     `attend` returned beside the attention output (the layer's k, v for a KV cache). Under
     tensor parallelism `par` gathers the sequence into each column-parallel product and reduces
-    out of each row-parallel one; this device then holds n_head / tensor of the heads."""
-    C = s.shape[-1]
+    out of each row-parallel one; this device then holds its share of the heads."""
     h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"], x_bias=d_bias)
-    qkv = par.gather_matmul(h, layer["attn"]["w"]) + layer["attn"]["b"]
+    w, b = layer["attn"]["w"], layer["attn"]["b"]  # [C, 3, H * D] (this device's heads)
+    qkv = par.gather_matmul(h, w.reshape(w.shape[0], -1)) + b.reshape(-1)
     B, T, _ = qkv.shape
-    qkv = qkv.reshape(B, T, 3, -1, C // n_head)
+    qkv = qkv.reshape(B, T, 3, -1, head_dim)
     a, kv = attend(qkv)
     a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"])
     h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"],
@@ -265,6 +291,59 @@ def _block(layer, s, d, d_bias, *, n_head, ops, attend, par=ONE_DEVICE):
     f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])
     m = par.matmul_reduce(f, layer["mlp_proj"]["w"])
     return s, m, match_vma(layer["mlp_proj"]["b"], m)[0], kv
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling with a KV cache: the prompt runs through the model once and leaves each layer's keys
+# and values in a cache of the final length; every new token then costs one position's work.
+
+
+def prefill(params, prompt, *, config: GPT2Config, ops, dtype, length: int):
+    """(logits [B, padded_vocab] of the prompt's last position, the cache: each layer's k and
+    v [L, B, length, H, D], the prompt's positions filled)."""
+    check_tokens(prompt, config)
+    p = cast(params, dtype)
+    P = prompt.shape[1]
+
+    def layer_step(carry, layer):
+        *carry, (k, v) = _block(layer, *carry, head_dim=config.head_dim, ops=ops,
+                                 attend=ONE_DEVICE.attend(ops))
+        pad = ((0, 0), (0, length - P), (0, 0), (0, 0))
+        return tuple(carry), (jnp.pad(k, pad), jnp.pad(v, pad))
+
+    (s, d, d_bias), cache = jax.lax.scan(layer_step, start(*_embed(p, prompt, ONE_DEVICE)),
+                                         p["blocks"])
+    return _head(p, s[:, -1:], d[:, -1:], d_bias, ops)[:, 0], cache
+
+
+def decode(params, tokens, at, cache, *, config: GPT2Config, ops, dtype):
+    """(logits [B, padded_vocab] after tokens [B] at position `at`, the cache with their k, v
+    stored)."""
+    p = cast(params, dtype)
+    x, pos = _embed(p, tokens[:, None], ONE_DEVICE, start=at)
+
+    def layer_step(carry, xs):
+        layer, ck, cv = xs
+        *carry, kv = _block(layer, *carry, head_dim=config.head_dim, ops=ops,
+                            attend=partial(_attend_cached, ck, cv, at))
+        return tuple(carry), kv
+
+    carry, cache = jax.lax.scan(layer_step, start(pos, x), (p["blocks"], *cache))
+    return _head(p, *carry, ops)[:, 0], cache
+
+
+def _attend_cached(cache_k, cache_v, at, qkv):
+    """qkv [B, 1, 3, H, D] at position `at`: store its k, v there and attend to positions
+    <= at. One query against the cache is memory-bound work: plain jnp, in float32."""
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k, at, axis=1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v, at, axis=1)
+    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), cache_k.astype(jnp.float32))
+    s = jnp.where(jnp.arange(cache_k.shape[1]) <= at, s * scale, -jnp.inf)
+    w = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", w, cache_v.astype(jnp.float32)).astype(q.dtype)
+    return out, (cache_k, cache_v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +460,7 @@ def hf_tensor_names(config: GPT2Config) -> list[str]:
 def to_hf(params, config: GPT2Config) -> dict:
     """Our params as GPT2LMHeadModel's state dict, float32 numpy, keyed as save_pretrained
     keys them ("transformer.h.0.ln_1.weight"; the tied lm_head.weight left out, as it does)."""
-    p = _numpy(params, config)
+    p = _fused_qkv(_numpy(params, config))
     out = {"wte.weight": p["wte"][:config.vocab_size], "wpe.weight": p["wpe"],
            "ln_f.weight": p["ln_f"]["w"], "ln_f.bias": p["ln_f"]["b"]}
     for (sub, leaf), name in _HF_LAYER.items():
@@ -410,7 +489,7 @@ def from_hf(tensors: dict, config: GPT2Config) -> dict:
             t[name] = value
     expected = {"wte.weight": (config.vocab_size, config.n_embd),
                 "wpe.weight": (config.block_size, config.n_embd)}
-    want = _shapes(config)
+    want = _fused_shapes(config)
     for (sub, leaf), name in _HF_LAYER.items():
         for i in range(config.n_layer):
             expected[f"h.{i}.{name}"] = want["blocks"][sub][leaf][1:]
@@ -436,14 +515,14 @@ def from_hf(tensors: dict, config: GPT2Config) -> dict:
     blocks = {sub: {} for sub, _ in _HF_LAYER}
     for (sub, leaf), name in _HF_LAYER.items():
         blocks[sub][leaf] = np.stack([t[f"h.{i}.{name}"] for i in range(config.n_layer)])
-    return {"wte": wte, "wpe": t["wpe.weight"], "blocks": blocks,
-            "ln_f": {"w": t["ln_f.weight"], "b": t["ln_f.bias"]}}
+    return _split_qkv({"wte": wte, "wpe": t["wpe.weight"], "blocks": blocks,
+                       "ln_f": {"w": t["ln_f.weight"], "b": t["ln_f.bias"]}})
 
 
 def llmc_shapes(config: GPT2Config) -> list[tuple[int, ...]]:
     """The shapes of llm.c's 16 parameter tensors, in its order (wte has padded_vocab_size
     rows)."""
-    want = _shapes(config)
+    want = _fused_shapes(config)
     return [_llmc_layout(_at(want, path)) for path in _LLMC_ORDER]
 
 
@@ -463,7 +542,7 @@ def _at(tree, path):
 def to_llmc(params, config: GPT2Config) -> list:
     """Our params as llm.c's 16 tensors in its order: float32 numpy, matrices (out, in), the
     embedding with its padded_vocab_size rows."""
-    p = _numpy(params, config)
+    p = _fused_qkv(_numpy(params, config))
     return [np.ascontiguousarray(_llmc_layout(_at(p, path))) for path in _LLMC_ORDER]
 
 
@@ -490,13 +569,36 @@ def from_llmc(arrays, config: GPT2Config) -> dict:
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = _llmc_layout(x)
-    return params
+    return _split_qkv(params)
 
 
 def _shapes(config: GPT2Config) -> dict:
     """Our parameter shapes, as `init` makes them."""
     return jax.tree.map(lambda x: tuple(x.shape),
                         jax.eval_shape(lambda k: init(config, k), jax.random.key(0)))
+
+
+def _fused_shapes(config: GPT2Config) -> dict:
+    """The shapes in the layout both other tools use: q, k and v fused in one axis, the QKV
+    weight [L, C, 3C] and bias [L, 3C] (ours keep the 3 apart: [L, C, 3, C], [L, 3, C])."""
+    shapes = _shapes(config)
+    attn = shapes["blocks"]["attn"]
+    fused = {"w": (*attn["w"][:-2], 3 * attn["w"][-1]), "b": (attn["b"][0], 3 * attn["b"][-1])}
+    return {**shapes, "blocks": {**shapes["blocks"], "attn": fused}}
+
+
+def _fused_qkv(p: dict) -> dict:
+    """Numpy params with the QKV weight and bias in the fused layout (_fused_shapes)."""
+    attn = p["blocks"]["attn"]
+    fused = {k: v.reshape(*v.shape[:-2], -1) for k, v in attn.items()}
+    return {**p, "blocks": {**p["blocks"], "attn": fused}}
+
+
+def _split_qkv(p: dict) -> dict:
+    """The inverse of _fused_qkv: our layout from the fused one."""
+    attn = p["blocks"]["attn"]
+    split3 = {k: v.reshape(*v.shape[:-1], 3, v.shape[-1] // 3) for k, v in attn.items()}
+    return {**p, "blocks": {**p["blocks"], "attn": split3}}
 
 
 def _numpy(params, config: GPT2Config) -> dict:

@@ -15,7 +15,7 @@ process builds from the parts its devices hold: with every process holding the w
 jax.make_array_from_callback(shape, batch_sharding(mesh), lambda index: batch[index]), which
 works on any mesh; with each holding only its own rows, make_array_from_process_local_data,
 which fits when the "data" groups line up with the processes. Everything else is the same
-program on every host. To save checkpoints, sharding.unshard_state gives every process each
+program on every host. To save checkpoints, blujax.train.gather gives every process each
 array whole, and process 0 saves it (blujax.checkpoint).
 
 To try it on one machine with CPU devices (two processes of 4 devices, gloo collectives):

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from blujax.model.gpt2 import GPT2Config
 
 DATA, TENSOR, CONTEXT = "data", "tensor", "context"
 AXES = (DATA, TENSOR, CONTEXT)
@@ -48,19 +47,7 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
-def check_model(config: GPT2Config, sizes: dict[str, int]) -> None:
-    """The model splits over the mesh: whole heads and equal vocabulary slices per device."""
-    tp = sizes[TENSOR]
-    if config.n_head % tp:
-        raise ValueError(f"blujax.sharding: n_head ({config.n_head}) must be divisible by the "
-                         f"tensor axis ({tp}): each device holds whole attention heads")
-    if config.padded_vocab_size % tp:
-        raise ValueError(f"blujax.sharding: padded_vocab_size ({config.padded_vocab_size}) must "
-                         f"be divisible by the tensor axis ({tp}) for the vocabulary-parallel "
-                         f"embedding and loss")
-
-
-def check_batch(shape, sizes: dict[str, int], config: GPT2Config) -> None:
+def check_batch(shape, sizes: dict[str, int], config) -> None:
     """A global batch [..., B, T] splits evenly: B over data; T over context in 2 x context
     zig-zag chunks; each device's T / context tokens over tensor (sequence parallelism)."""
     B, T = shape[-2:]

@@ -1,12 +1,13 @@
 """`gpt2.forward`'s hooks for per-device code inside the train step's shard_map.
 
-On one device the hooks do nothing (gpt2.ONE_DEVICE). Here, on a ("data", "tensor",
+On one device the hooks do nothing (blujax.model.family.ONE_DEVICE, which documents them). Here, on a ("data", "tensor",
 "context") mesh, each device holds B / data sequences of T / context tokens (zig-zag chunks,
 see ring.py), and:
 
-- embed: the vocabulary-parallel token embedding (each device looks up the ids in its slice
-  of wte, zeros elsewhere) summed over "tensor" and split along the sequence in the same
-  reduce-scatter; the position embedding of the device's own positions.
+- embed_tokens: the vocabulary-parallel token embedding (each device looks up the ids in its
+  slice of the table, zeros elsewhere) summed over "tensor" and split along the sequence in
+  the same reduce-scatter; at_positions: a position table's rows for the device's own
+  positions.
 - gather_matmul / matmul_reduce: the sequence-parallel LayerNorm regions. The residual
   stream and the LayerNorms hold T / context / tensor tokens per device; a column-parallel
   product takes the device's whole sequence (all-gather over "tensor" first), a row-parallel
@@ -20,6 +21,7 @@ see ring.py), and:
   soon as it exists, where it can overlap the backward of the layers below it. Without it the
   step reduces all gradients once, after the backward (and after the last micro-batch).
 - attend: ring attention over "context" (plain causal attention when it has size 1).
+- loss: the vocabulary-parallel cross-entropy of the device's logits columns.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from blujax.model.family import causal_attention
 from blujax.sharding.mesh import AXES, CONTEXT, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
@@ -56,22 +59,20 @@ class Parallel:
     def share(self, params):
         return vary(params) if self.reduce_in_backward else params
 
-    def embed(self, p, tokens):
-        wte = p["wte"]  # this device's rows of the vocabulary
-        rows = wte.shape[0]
+    def embed_tokens(self, wte, tokens):
+        rows = wte.shape[0]  # this device's rows of the vocabulary
         ids = tokens - jax.lax.axis_index(TENSOR) * rows
         here = (ids >= 0) & (ids < rows)
         tok = jnp.where(here[..., None], jnp.take(wte, jnp.where(here, ids, 0), axis=0), 0)
-        tok = jax.lax.psum_scatter(tok, TENSOR, scatter_dimension=1, tiled=True)
-        pos = jnp.take(p["wpe"], self.positions(tokens.shape[1]), axis=0)
-        return vary(tok), vary(jnp.broadcast_to(pos, tok.shape))
+        return vary(jax.lax.psum_scatter(tok, TENSOR, scatter_dimension=1, tiled=True))
 
-    def positions(self, length):
-        """Positions of this device's residual-stream tokens: its part of the zig-zag
-        sequence, then its tensor slice of that."""
+    def at_positions(self, table, length, start=0):
+        """The rows of `table` for this device's residual-stream tokens of a sequence of
+        `length` (its part of the zig-zag sequence, then its tensor slice of that)."""
         pos = zigzag_positions(length, self.context, jax.lax.axis_index(CONTEXT))
         n = length // self.tensor
-        return jax.lax.dynamic_slice_in_dim(pos, jax.lax.axis_index(TENSOR) * n, n)
+        pos = jax.lax.dynamic_slice_in_dim(pos, jax.lax.axis_index(TENSOR) * n, n)
+        return vary(jnp.take(table, start + pos, axis=0))
 
     def gather_matmul(self, x, w):
         """all_gather(x over "tensor", along the sequence) @ w."""
@@ -87,12 +88,15 @@ class Parallel:
 
     def attend(self, ops):
         if self.context == 1:
-            return partial(_causal, ops)
+            return partial(causal_attention, ops)
         return partial(_ring, ops, self.context)
 
-
-def _causal(ops, qkv):
-    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
+    @staticmethod
+    def loss(ops, logits, targets, *, num_classes, n_tokens):
+        # The padded vocabulary columns never enter the softmax.
+        losses = ops.vocab_parallel_softmax_cross_entropy(logits, targets, axis_name=TENSOR,
+                                                          num_classes=num_classes)
+        return jnp.sum(losses) / n_tokens
 
 
 def _ring(ops, n, qkv):

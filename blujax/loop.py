@@ -1,0 +1,413 @@
+"""The training loop as a library: steps, timing, evaluations, checkpoints, signals, metrics,
+several processes.
+
+    state = train.init_state(config, tcfg, jax.random.key(0))
+    step = train.make_train_step(config, tcfg)
+    with data.DataLoader(shards, batch_size=8, seq_len=256) as loader, \\
+            Checkpointer("run/ckpt") as ckpt:
+        state, stop = loop.run(state, step, loader, loop.LoopConfig(steps=1000, save_every=200),
+                               checkpointer=ckpt, sinks=[metrics.MetricsFile("run/log.jsonl")])
+
+run() owns what goes around the jitted step: the first step is not timed (it compiles), and
+each step's metrics are read back while the next one runs; a checkpoint every save_every steps
+and after the last; the evaluation hooks every eval_every steps and at the last; SIGINT or
+SIGTERM stop after the step under way, with a checkpoint (a second Ctrl-C aborts); a run of
+max_nonfinite steps in a row whose loss or gradient norm was not finite (each skipped by the
+step) stops it, and so does a DataError from the batches, each after a checkpoint; a profile of
+a few steps. It returns the last state and a Stop that says why it ended. With several
+processes (blujax.processes), every process calls it alike; the lead alone saves, notes and
+feeds the sinks.
+
+A checkpoint holds checkpoint_tree(state, **extras) and the loader's position; resuming is
+
+    r = loop.restore_latest("run/ckpt", loop.checkpoint_tree(state))  # falls back past damage
+    state = loop.state_of(r.tree); loader.load_state(r.loader)
+
+after which run() continues the run bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from blujax.checkpoint import NO_MANIFEST, Checkpointer, Restored
+from blujax.data import DataError
+from blujax.metrics import mfu
+from blujax.processes import Processes
+from blujax.train import TrainState
+
+FINISHED, SIGNAL, ERROR = "finished", "signal", "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """How run() goes about the steps.
+
+    steps: the run's length (evaluations at its last step); stop_after: this call ends after
+    that step (default: steps). save_every: a checkpoint every that many steps (0: only at the
+    end). eval_every: the evaluation hooks every that many steps and at the last (0: never).
+    accum: the micro-batches of a step (a batch [B, T] goes in as [accum, B / accum, T]).
+    max_nonfinite: skipped steps in a row that stop the run. profile: a folder for a
+    jax.profiler trace of profile_steps steps, the first of them profile_after steps in.
+    flops_per_token and peak_flops (of all devices together): the records' MFU. stop_poll: with
+    several processes, how often (in steps) they agree whether a signal asked for a stop.
+    """
+
+    steps: int
+    stop_after: int | None = None
+    save_every: int = 0
+    eval_every: int = 0
+    accum: int = 1
+    max_nonfinite: int = 10
+    profile: str | Path | None = None
+    profile_after: int = 3
+    profile_steps: int = 3
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    stop_poll: int = 10
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"LoopConfig.steps must be at least 1, got {self.steps}")
+        if self.stop_after is not None and not 0 <= self.stop_after <= self.steps:
+            raise ValueError(f"LoopConfig.stop_after {self.stop_after} must lie in "
+                             f"[0, steps {self.steps}]")
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LoopConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("accum", "max_nonfinite", "profile_steps", "stop_poll"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoopConfig.{name} must be at least 1, got "
+                                 f"{getattr(self, name)}")
+
+    @property
+    def last(self) -> int:
+        """The step this call ends after."""
+        return self.steps if self.stop_after is None else self.stop_after
+
+    def traced(self, start: int) -> range:
+        """The indices (steps - 1) a profile traces in a run that starts after step `start`."""
+        first = start + self.profile_after
+        return range(first, first + self.profile_steps)
+
+
+class TrainingError(Exception):
+    """An error of the loop's own, with a message for its user."""
+
+
+class NonFiniteError(TrainingError):
+    """max_nonfinite steps in a row (`steps`) had a loss or gradient norm that was not finite:
+    the step skipped each (the parameters stayed those of the step before the first)."""
+
+    def __init__(self, steps: list[int], saved: str | None):
+        first, last = steps[0], steps[-1]
+        super().__init__(
+            f"the loss or gradient norm was not finite in {len(steps)} steps in a row (steps "
+            f"{first}-{last}; none of them updated the parameters): stopped"
+            + (f", {saved} whose parameters are step {first - 1}'s" if saved else
+               f" after step {last}, whose parameters are step {first - 1}'s"))
+        self.steps = steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Why run() ended. reason: FINISHED (after stop_after), SIGNAL (SIGINT / SIGTERM asked,
+    before stop_after) or ERROR (`error`: a data.DataError from the batches or a
+    NonFiniteError; the checkpointer saved the state first). step: the last step taken."""
+
+    reason: str
+    step: int
+    error: Exception | None = None
+
+
+def run(state: TrainState, train_step: Callable, batches: Iterable, config: LoopConfig, *,
+        checkpointer: Checkpointer | None = None, extras: dict | None = None,
+        checkpoint_state: Callable | None = None, checkpoint_config=None,
+        evals: Sequence[Callable] = (), sinks: Sequence[Callable] = (),
+        processes: Processes = Processes(), batch_sharding=None,
+        note: Callable[[str], None] | None = None) -> tuple[TrainState, Stop]:
+    """Steps from state.step up to config.last; the last state, and why it stopped.
+
+    train_step(state, inputs, targets) -> (state, metrics): the jitted step (train.
+    make_train_step), inputs and targets [accum, B / accum, T]; metrics holds loss, grad_norm,
+    lr and skipped. batches: an iterator of data.Batch (inputs and targets [B, T], the whole
+    batch on every process); a data loader's state() is saved with each checkpoint.
+
+    checkpointer: saves checkpoint_tree(checkpoint_state(state), **extras) (extras: more arrays
+    to keep, a sampling key say; checkpoint_state: the state as checkpoints keep it, e.g.
+    sharding.unshard_state for a state on a mesh) with checkpoint_config as its config; the
+    lead process's alone (the others pass None). evals: hooks (step, state) -> dict of fields
+    for the step's record (val_loss_hook). sinks: callables given each step's record
+    (blujax.metrics), on the lead. processes: this process's place in a run of several.
+    batch_sharding: where the batches go (None: the default device). note(text): the loop's
+    warnings and notes, on the lead (default: stderr).
+
+    A failed checkpoint save raises its CheckpointError (at the next step), and an error of a
+    sink or a hook is raised as it comes; a DataError from the batches and a run of non-finite
+    steps return with Stop.error, after a checkpoint (the caller raises it once its own files
+    are written).
+    """
+    return _Run(train_step, batches, config, checkpointer, extras or {}, checkpoint_state,
+                checkpoint_config, list(evals), list(sinks), processes, batch_sharding,
+                note).run(state)
+
+
+def val_loss_hook(eval_step: Callable, batches, name: str = "val_loss") -> Callable:
+    """An evaluation hook: the mean of eval_step(params, inputs, targets) over `batches` (pairs
+    of [B, T] arrays, placed as eval_step takes them), as the record's `name`."""
+    batches = list(batches)
+
+    def val_loss(step, state) -> dict:
+        losses = [eval_step(state.params, x, y) for x, y in batches]
+        return {name: float(np.mean(jax.device_get(losses)))}
+
+    return val_loss
+
+
+class StopRequest:
+    """SIGINT / SIGTERM ask the loop to stop after the step under way and save a checkpoint;
+    a second Ctrl-C stops at once. In the main thread only (elsewhere, signals stay as they
+    are)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT,
+                                                        signal.default_int_handler))
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
+              f"checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def checkpoint_tree(state: TrainState, **extras) -> dict:
+    """What a checkpoint holds: the state's params, opt_state and step, and `extras`."""
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+            **extras}
+
+
+def state_of(tree: dict) -> TrainState:
+    """The TrainState of a checkpoint_tree."""
+    return TrainState(tree["step"], tree["params"], tree["opt_state"])
+
+
+def restore_latest(directory, like: dict, *, params_only: bool = False,
+                   warn: Callable[[str], None] | None = None) -> Restored:
+    """The newest checkpoint in `directory` that verifies (a checkpoint.Restored: .tree,
+    .step, .loader), restored into `like` (a checkpoint_tree, of arrays or of
+    jax.ShapeDtypeStructs: shapes, dtypes and where they go), read without touching the folder
+    (so that every process of a run may read it, and a run may be writing there).
+
+    A newer one that is corrupt, or whose manifest.json is gone, is skipped, with one line to
+    warn() for each (none if warn is None); if none verifies, CheckpointError says what was
+    tried; FileNotFoundError if there is none. params_only=True restores the parameters alone
+    ({"params": ...}), reading and verifying only them: what evaluating and sampling need, so
+    that a damaged optimizer state does not stop them."""
+    reader = Checkpointer(directory, read_only=True)
+    if params_only:
+        like = {"params": like["params"]}
+    skipped = []
+    restored = reader.restore_latest(like, partial=params_only,
+                                     on_skip=lambda path, why: skipped.append((path, why)))
+    if warn is not None:
+        for path, why in skipped:
+            what = (f"{path} has {why}" if why == NO_MANIFEST
+                    else f"checkpoint {path} is corrupt ({why})")
+            warn(f"warning: {what}: skipped; restoring step {restored.step} instead")
+    return restored
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+class _Run:
+    """One call of run(): its bookkeeping between steps."""
+
+    def __init__(self, train_step, batches, config: LoopConfig, checkpointer, extras,
+                 checkpoint_state, checkpoint_config, evals, sinks, procs: Processes,
+                 batch_sharding, note):
+        self.train_step, self.config = train_step, config
+        self.batches, self.loader = iter(batches), batches
+        self.checkpointer, self.extras = checkpointer, extras
+        self.checkpoint_state, self.checkpoint_config = checkpoint_state, checkpoint_config
+        self.evals, self.sinks, self.procs = evals, sinks, procs
+        self.batch_sharding = batch_sharding
+        self.note = note or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.tokens_per_step = None  # of the whole batch, from the first
+        self.nonfinite = []  # the steps of the current run of non-finite steps
+
+    def run(self, state):
+        c, lead = self.config, self.procs.lead
+        start, stop_after = int(state.step), c.last
+        trace, profile = c.traced(start), c.profile
+        if profile and trace.stop > stop_after:
+            self._note(f"warning: the profile traces steps {trace.start + 1}-{trace.stop}, but "
+                       f"this run ends after step {stop_after}: no trace")
+            profile = None
+        pending = None     # (step, metrics): dispatched, not read back yet
+        timed = False      # the first step of a process compiles: it is not timed
+        stop = None
+        with StopRequest() as request:
+            t_ref = time.perf_counter()
+            for index in range(start, stop_after):
+                step = index + 1
+                if self.checkpointer is not None:
+                    self.checkpointer.raise_if_failed()  # a failed save stops the run now
+                try:
+                    batch = next(self.batches)
+                except (DataError, StopIteration) as e:
+                    # Unreadable data (a shard changed since it was checked): keep what is
+                    # trained, then stop.
+                    if pending is not None:
+                        self._log(self._finish(*pending, t_ref, timed)[0])
+                        pending = None
+                    self._save(state, index)
+                    saved = self._saved(index)
+                    stop = Stop(ERROR, index, DataError(
+                        f"{str(e) or 'the batches ran out'}; stopped before step {step}"
+                        + (f", {saved}" if saved else "")))
+                    break
+                inputs, targets = self._put(batch)
+                # One trace, of the lead (the others' would share its file names).
+                if profile and index == trace.start and lead:
+                    jax.profiler.start_trace(str(profile))
+                state, metrics = self.train_step(state, inputs, targets)
+                diverged = False
+                if pending is not None:  # read the previous step while this one runs
+                    record, t_ref = self._finish(*pending, t_ref, timed)
+                    timed = True
+                    self._log(record)
+                    diverged = self._diverged(record)
+                pending = (step, metrics)
+                eval_due = (bool(self.evals) and c.eval_every > 0
+                            and (step % c.eval_every == 0 or step == c.steps))
+                save_due = c.save_every > 0 and step % c.save_every == 0
+                stopping = self._stop_agreed(request.requested, step)
+                last = step == stop_after or stopping or diverged
+                trace_end = bool(profile) and step == trace.stop
+                if not (eval_due or save_due or last or trace_end):
+                    continue
+                record, _ = self._finish(*pending, t_ref, timed)
+                pending, timed = None, True
+                diverged = self._diverged(record) or diverged
+                if trace_end and lead:
+                    jax.profiler.stop_trace()
+                    self._note(f"profile of steps {trace.start + 1}-{step} written to {profile}")
+                if eval_due and not diverged:
+                    for hook in self.evals:
+                        record.update(hook(step, state))
+                self._log(record)
+                if save_due or last or diverged:
+                    self._save(state, step)
+                if diverged:
+                    error = NonFiniteError(self.diverged_steps, self._saved(step))
+                    stop = Stop(ERROR, step, error)
+                    break
+                if stopping:
+                    if step < stop_after:
+                        stop = Stop(SIGNAL, step)
+                    break
+                t_ref = time.perf_counter()  # evaluating and saving are not step time
+        return state, stop or Stop(FINISHED, int(state.step))
+
+    def _put(self, batch):
+        """The batch as the step takes it: [accum, B / accum, T], where batch_sharding says.
+        Every process holds the whole batch and puts in the pieces its devices hold, which are
+        not a slice of rows per process once "tensor" or "context" spans processes."""
+        if self.tokens_per_step is None:
+            self.tokens_per_step = int(np.size(batch.inputs))
+        accum = self.config.accum
+        return tuple(self.procs.global_array(np.asarray(a).reshape(accum, -1, a.shape[-1]),
+                                             self.batch_sharding)
+                     for a in (batch.inputs, batch.targets))
+
+    def _finish(self, step, metrics, t_ref, timed):
+        """Reads back a step's metrics (waiting for the step to end); its record, and the
+        time it was read back, which is where the next step's time starts."""
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        seconds = now - t_ref
+        rate = self.tokens_per_step / seconds if timed else None
+        record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                  "tokens_per_s": rate, "step_time_s": seconds,
+                  "mfu": mfu(rate, self.config.flops_per_token, self.config.peak_flops),
+                  "skipped": bool(m.get("skipped", 0.0))}
+        return record, now
+
+    def _diverged(self, record) -> bool:
+        """Counts the run of skipped (non-finite) steps; whether it reached max_nonfinite."""
+        if not record["skipped"]:
+            self.nonfinite = []
+            return False
+        self.nonfinite.append(record["step"])
+        n = self.config.max_nonfinite
+        if len(self.nonfinite) == 1:  # once a run of them: the records mark each
+            self._note(f"warning: step {record['step']}: loss {record['loss']}, gradient norm "
+                       f"{record['grad_norm']}: not finite, so the step was skipped (the "
+                       f"parameters were not updated); {n} in a row stop the run")
+        if len(self.nonfinite) < n:
+            return False
+        self.diverged_steps = list(self.nonfinite)
+        return True
+
+    def _stop_agreed(self, requested: bool, step: int) -> bool:
+        """Whether to stop after this step. With several processes, a signal may reach some of
+        them only, and all must stop after the same step: they agree every stop_poll steps
+        (a collective, which waits for the step to end; not every step, so that the host
+        stays a step ahead of the devices)."""
+        if self.procs.count == 1:
+            return requested
+        return step % self.config.stop_poll == 0 and self.procs.any(requested)
+
+    def _save(self, state, step: int):
+        if self.checkpointer is None and self.procs.count == 1:
+            return
+        # Gathered on every process (checkpoint_state may be a collective), written by one.
+        saved = state if self.checkpoint_state is None else self.checkpoint_state(state)
+        if self.checkpointer is not None and self.procs.lead:
+            loader = getattr(self.loader, "state", None)
+            self.checkpointer.save(step, checkpoint_tree(saved, **self.extras),
+                                   loader=loader() if loader else None,
+                                   config=self.checkpoint_config)
+
+    def _saved(self, step: int) -> str | None:
+        """Where the checkpoint of `step` is, in words (None: there is none)."""
+        if self.checkpointer is not None:
+            return f"with a checkpoint of step {step} in {self.checkpointer.directory}"
+        if not self.procs.lead:
+            return f"with a checkpoint of step {step} saved by process 0"
+        return None
+
+    def _note(self, text: str):
+        if self.procs.lead:
+            self.note(text)
+
+    def _log(self, record):
+        if self.procs.lead:
+            for sink in self.sinks:
+                sink(record)

@@ -1,0 +1,153 @@
+"""The seam between a model family and everything that trains, shards, samples or converts it.
+
+A family is a module (`blujax.model.gpt2`; Llama next) that defines the names of `Family`
+below. The train step, the sharding, the loop, sampling, evaluation, interop and the CLI reach
+a model only through them, by way of `blujax.model.family_of(config)`, so a new family plugs
+in by being registered in `blujax.model.FAMILIES`.
+
+Parameters declare their logical axes where they are created: a family's `declare(config,
+key)` returns its params pytree with every leaf a `Param(value, axes)`, one axis name per
+dimension ("vocab", "embed", "heads", ...). `init` and `logical_axes` are that tree's values
+and axes (`split`); `blujax.sharding.layout.RULES`, the one table, maps the names to mesh axes.
+
+Inside a step the model calls the device's *hooks* where a parallel run communicates:
+`ONE_DEVICE` below on one device, `blujax.sharding.Parallel` inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A parameter as its family creates it: the value (an array, or a shape under
+    jax.eval_shape) and the logical name of each of its axes (a pytree leaf: the names are
+    static)."""
+
+    value: Any
+    axes: tuple[str, ...]
+
+
+jax.tree_util.register_dataclass(Param, data_fields=["value"], meta_fields=["axes"])
+
+
+def is_param(x) -> bool:
+    return isinstance(x, Param)
+
+
+def split(declared):
+    """(values, axes) of a tree of Params: two trees of the same structure. TypeError for a
+    leaf that is not a Param, or whose axes do not name each of its dimensions."""
+    def check(path, x):
+        where = jax.tree_util.keystr(path)
+        if not is_param(x):
+            raise TypeError(f"parameter {where} is not declared with its logical axes (wrap it "
+                            f"in blujax.model.family.Param(value, axes))")
+        if len(x.axes) != len(x.value.shape) or not all(isinstance(a, str) for a in x.axes):
+            raise TypeError(f"parameter {where} of shape {tuple(x.value.shape)} declares the "
+                            f"axes {x.axes}: one name per dimension")
+        return x
+
+    jax.tree_util.tree_map_with_path(check, declared, is_leaf=is_param)
+    return (jax.tree.map(lambda p: p.value, declared, is_leaf=is_param),
+            jax.tree.map(lambda p: p.axes, declared, is_leaf=is_param))
+
+
+def axes_of(declare, config) -> Any:
+    """The logical axes of `declare(config, key)`'s params, without computing them."""
+    return split(jax.eval_shape(lambda k: declare(config, k), jax.random.key(0)))[1]
+
+
+class Family(Protocol):
+    """What a model family module defines (gpt2.py is the reference).
+
+    NAME: its name ("gpt2"), the key of blujax.model.FAMILIES and config.json's "family";
+      TITLE: how messages name it ("GPT-2").
+    Config: its frozen config dataclass, with at least block_size, vocab_size and
+      padded_vocab_size; PRESETS: {name: Config}.
+    declare(config, key): the params pytree of Params (values float32); init(config, key):
+      its values; logical_axes(config): its axes.
+    forward(params, tokens, *, config, ops, dtype, remat=False, parallel=None,
+      scan_layers=None): logits [B, T, padded_vocab] (this device's block inside shard_map,
+      where `parallel` is the device's hooks).
+    hidden(params, tokens, *, config, ops, dtype): the final normalized hidden states
+      [B, T, C]; head(params, h, *, dtype): their logits (forward = head(hidden)).
+    prefill(params, prompt, *, config, ops, dtype, length) -> (logits of the last position,
+      cache of `length` positions); decode(params, tokens [B], at, cache, *, config, ops,
+      dtype) -> (logits [B, V], cache): sampling with a KV cache.
+    check_tokens(tokens, config); check_mesh(config, sizes): ValueError for a mesh
+      ({"data", "tensor", "context"} sizes) the model does not split over.
+    decay_mask(params): True for the leaves AdamW decays.
+    flops_per_token(config, seq_len): training FLOPs per token (for MFU).
+    config_from_hf, hf_config, to_hf, from_hf (and to_llmc, from_llmc, llmc_shapes where the
+      family has an llm.c format): blujax.interop's conversions.
+    """
+
+    NAME: str
+    TITLE: str
+    Config: type
+    PRESETS: dict
+
+
+# The names a Family module must define (tests check every registered family has them).
+REQUIRED = ("NAME", "TITLE", "Config", "PRESETS", "declare", "init", "logical_axes", "forward",
+            "hidden", "head", "prefill", "decode", "check_tokens", "check_mesh", "decay_mask",
+            "flops_per_token", "config_from_hf", "hf_config", "to_hf", "from_hf")
+
+
+class OneDevice:
+    """The hooks a model calls where a parallel run communicates; on one device, nothing.
+    `blujax.sharding.Parallel` is the same interface inside shard_map.
+
+    share: parameters (float32) as a layer takes them. embed_tokens: rows of the token
+    embedding for int tokens [B, T]. at_positions: the rows of a position-indexed table
+    (position embedding, rotary tables) for this device's T tokens. gather_matmul: a
+    normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
+    product, its partial sums reduced. attend(ops): the attention function, of the fused
+    projection's qkv [B, T, 3, H, D] -> (output [B, T, H, D], the layer's (k, v)). loss: this
+    device's share (sum / n_tokens) of the mean cross-entropy of logits [N, V] against [N].
+    """
+
+    @staticmethod
+    def share(params):
+        return params
+
+    @staticmethod
+    def embed_tokens(wte, tokens):
+        return jnp.take(wte, tokens, axis=0)
+
+    @staticmethod
+    def at_positions(table, length, start=0):
+        return jax.lax.dynamic_slice_in_dim(table, start, length)
+
+    @staticmethod
+    def gather_matmul(x, w):
+        return x @ w
+
+    @staticmethod
+    def matmul_reduce(x, w):
+        return x @ w
+
+    @staticmethod
+    def attend(ops):
+        return partial(causal_attention, ops)
+
+    @staticmethod
+    def loss(ops, logits, targets, *, num_classes, n_tokens):
+        # All n_tokens are here: the mean kernel, whose gradient comes out of its own pass.
+        assert logits.shape[0] == n_tokens
+        return ops.softmax_cross_entropy_mean(logits, targets, num_classes=num_classes)
+
+
+ONE_DEVICE = OneDevice()
+
+
+def causal_attention(ops, qkv):
+    """Causal attention over qkv [B, T, 3, H, D]: (output, the layer's (k, v))."""
+    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
