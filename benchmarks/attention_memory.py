@@ -1,6 +1,6 @@
 """Device memory of one attention training step (forward + backward): ours vs XLA (and cuDNN).
 
-    python benchmarks/attention_memory.py [--seq 8192] [--batch 1] [--heads 12] [--head-dim 64]
+    python -m benchmarks.attention_memory [--seq 8192] [--batch 1] [--heads 12] [--head-dim 64]
                                           [--causal | --no-causal] [--dtype bfloat16] [--quick]
 
 For each implementation, jits q, k, v, dout -> (dq, dk, dv) and reads XLA's memory analysis
@@ -16,15 +16,11 @@ the [B, H, T, T] scores.
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from blujax import kernels  # noqa: E402
+from blujax import kernels
 
 
 def _step(impl: str, causal: bool):
@@ -50,8 +46,9 @@ def memory(impl: str, shape, dtype, causal: bool) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention_memory", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=12)

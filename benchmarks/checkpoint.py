@@ -1,6 +1,6 @@
 """Checkpoint cost for a GPT-2 124M-sized training state: what the training loop waits for.
 
-    python benchmarks/checkpoint.py [--saves 3] [--dtype float32] [--dir DIR]
+    python -m benchmarks.checkpoint [--saves 3] [--dtype float32] [--dir DIR]
 
 The state is GPT-2 small's parameter shapes (random values) and an AdamW state for them, on
 JAX's default device. Each save is followed by "training" (a jitted, donating update of the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from blujax.checkpoint import Checkpointer  # noqa: E402
+from blujax.checkpoint import Checkpointer
 
 
 def gpt2_small(dtype, vocab=50304, ctx=1024, d=768, layers=12):
@@ -40,14 +38,15 @@ def gpt2_small(dtype, vocab=50304, ctx=1024, d=768, layers=12):
             "ln_f": {"w": jnp.ones(d, dtype), "b": jnp.zeros(d, dtype)}}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.checkpoint", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--saves", type=int, default=3, choices=range(1, 100), metavar="N")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temporary "
                         "one, removed afterwards)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     params = gpt2_small(jnp.dtype(args.dtype))
     opt = optax.adamw(1e-4)

@@ -1,6 +1,6 @@
 """The token loader beside a plain numpy-memmap loader: tokens/s, batch latency, memory.
 
-    python benchmarks/dataloader.py [--batch 64] [--seq 1024] [--shards 2]
+    python -m benchmarks.dataloader [--batch 64] [--seq 1024] [--shards 2]
                                     [--shard-tokens 100M] [--batches 3000] [--step-ms 1]
 
 Writes synthetic llm.c shards (random GPT-2 token ids) into a temporary folder (or --dir, kept
@@ -43,8 +43,7 @@ def rss_kib(field="VmRSS") -> int:
 
 
 def write_shards(directory: Path, shards: int, tokens: int) -> list[Path]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from blujax.data import read_header, write_shard
+    from blujax.data import read_header, write_shard  # here: the baseline's process needs no jax
 
     paths = []
     rng = np.random.default_rng(0)
@@ -85,8 +84,7 @@ def run_child(args) -> dict:
     paths = [Path(p) for p in args.paths]
     baseline = rss_kib()
     if args.child.startswith("blujax"):
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from blujax.data import DataLoader
+        from blujax.data import DataLoader  # here, so that "imports" measures it
         imports = rss_kib()
         start = time.perf_counter()
         loader = DataLoader(paths, batch_size=args.batch, seq_len=args.seq, seed=0,
@@ -125,9 +123,10 @@ def run_child(args) -> dict:
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.dataloader", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--shards", type=int, default=2)
@@ -140,7 +139,7 @@ def main():
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     parser.add_argument("--paths", nargs="*", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_child(args)))
         return
@@ -156,7 +155,10 @@ def main():
               f"CPUs: {os.cpu_count()}")
         results = {}
         for name in LOADERS:
-            cmd = [sys.executable, __file__, "--child", name, "--paths", *map(str, paths)]
+            # This module again, in a fresh process (found as this one was: from the working
+            # directory or PYTHONPATH, which the child inherits).
+            cmd = [sys.executable, "-m", "benchmarks.dataloader", "--child", name, "--paths",
+                   *(str(p.resolve()) for p in paths)]
             for flag in ("batch", "seq", "batches", "warmup", "step_ms", "prefetch"):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
             run = subprocess.run(cmd, capture_output=True, text=True, check=True)

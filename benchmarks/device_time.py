@@ -1,8 +1,8 @@
 """Memory-bound ops timed on the device from a profiler trace, beside a copy of the same bytes.
 
-    python benchmarks/device_time.py [--ops layernorm,...] [--filter TEXT] [--calls N]
+    python -m benchmarks.device_time [--ops layernorm,...] [--filter TEXT] [--calls N]
 
-benchmarks/kernels.py times programs from the host: what it reports also holds the gaps
+benchmarks.kernels times programs from the host: what it reports also holds the gaps
 between kernels and between programs, which on calls of tens of microseconds are several
 percent (a host dispatching a program of 32 such calls is close to the device's pace). Here
 each implementation's program (the same cases and input sets as kernels.py) runs once under
@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
 
-import jax  # noqa: E402
-
-from benchmarks.harness import (copy_bandwidth, default_calls, same_size_copy,  # noqa: E402
-                                traced_program)
-from benchmarks.kernels import ALL_OPS  # noqa: E402
+from benchmarks.harness import copy_bandwidth, default_calls, same_size_copy, traced_program
+from benchmarks.kernels import ALL_OPS
 
 
 def traced(fn, arg_sets, trace_dir: str) -> tuple[float, float, int]:
@@ -41,8 +36,9 @@ def traced(fn, arg_sets, trace_dir: str) -> tuple[float, float, int]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.device_time", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default=",".join(ALL_OPS),
                    help=f"comma-separated ops (default: all of {', '.join(ALL_OPS)}; those "
                         "with a FLOP count have no rows)")

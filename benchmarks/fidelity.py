@@ -304,9 +304,9 @@ def report(runs, variants, windows) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--model", help="a preset of blujax.model.gpt2 (default gpt2; --quick: tiny)")
     p.add_argument("--batch", type=int, help="sequences per step (default 16; --quick: 4)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 1024; --quick: 64)")

@@ -35,7 +35,8 @@ def synthetic_items(n: int, vocab: int, seed: int = 0) -> list[hellaswag.Item]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.hellaswag", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
     p.add_argument("--items", metavar="FILE", help="HellaSwag jsonl (default: 10,042 synthetic "
                                                    "items)")

@@ -1,6 +1,6 @@
 """Kernel benchmarks: each op of ours side by side with XLA's compiled jnp spec, one run.
 
-    python benchmarks/kernels.py [--ops layernorm,...] [--quick] [--out DIR]
+    python -m benchmarks.kernels [--ops layernorm,...] [--quick] [--out DIR]
 
 Prints a markdown table (ratios first) and writes kernels.jsonl and kernels.md to --out.
 Bandwidth is bytes that must move (inputs read once, outputs written once) over the median
@@ -16,22 +16,20 @@ import importlib
 import json
 import pathlib
 import pkgutil
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
 
-import jax  # noqa: E402
-
-import blujax  # noqa: E402
-from benchmarks import cases as cases_pkg  # noqa: E402
-from benchmarks.harness import copy_bandwidth, run_case, table  # noqa: E402
+import blujax
+from benchmarks import cases as cases_pkg
+from benchmarks.harness import copy_bandwidth, run_case, table
 
 ALL_OPS = sorted(m.name for m in pkgutil.iter_modules(cases_pkg.__path__))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(ALL_OPS),
                         help=f"comma-separated ops to run (default: all of {', '.join(ALL_OPS)})")
     parser.add_argument("--quick", action="store_true",

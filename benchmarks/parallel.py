@@ -1,10 +1,10 @@
 """GPT-2 train steps on several GPUs (blujax.sharding) against the one-GPU step, in one run.
 
-    python benchmarks/parallel.py [--model gpt2] [--seq 1024] [--batch 16] [--dtype bf16]
+    python -m benchmarks.parallel [--model gpt2] [--seq 1024] [--batch 16] [--dtype bf16]
                                   [--runs 1,dp2,tp2,cp2,dp2:zero,tp2:cm,dp2:rb] [--steps 10]
                                   [--xla-flags FLAGS] [--label NAME] [--json PATH]
                                   [--profile DIR]
-    python benchmarks/parallel.py --report PATH     # the table of rows saved with --json
+    python -m benchmarks.parallel --report PATH     # the table of rows saved with --json
 
 A run is the mesh's sizes (dp2, tp2, cp2, dp2tp2, ...; "1" is the single-device step,
 train.make_train_step) and options after colons:
@@ -47,13 +47,11 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.train import (PROFILE_STEPS, kernel_time_summary, program_bytes,  # noqa: E402
-                              time_steps, trace_steps)
-from blujax import sharding, train  # noqa: E402
-from blujax.model import gpt2  # noqa: E402
-from blujax.model import ops as model_ops  # noqa: E402
+from benchmarks.train import (PROFILE_STEPS, kernel_time_summary, program_bytes, time_steps,
+                              trace_steps)
+from blujax import sharding, train
+from blujax.model import gpt2
+from blujax.model import ops as model_ops
 
 OPTIONS = ("zero", "cm", "rb", "plain")
 
@@ -114,11 +112,11 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
     else:
         mesh = sharding.make_mesh(run.dp, run.tp, run.cp, devices=jax.devices()[:run.gpus])
         zero = "zero" in run.options
-        state = sharding.init_sharded_state(config, tcfg, key, mesh, ops, shard_optimizer=zero)
-        step = sharding.make_sharded_train_step(
-            config, tcfg, mesh, ops, shard_optimizer=zero,
+        state = train.init_state(config, tcfg, key, ops, mesh, shard_optimizer=zero)
+        step = train.make_train_step(
+            config, tcfg, ops, mesh, shard_optimizer=zero,
             collective_matmul="cm" in run.options, reduce_in_backward="rb" in run.options)
-        x, y = (jax.device_put(a, sharding.batch_sharding(mesh)) for a in (x, y))
+        x, y = (jax.device_put(a, train.batch_sharding(mesh)) for a in (x, y))
     t0 = time.perf_counter()
     compiled = step.lower(state, x, y).compile()
     compile_s = time.perf_counter() - t0
@@ -193,9 +191,9 @@ def _length(spans):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.parallel", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=16,

@@ -1,7 +1,7 @@
 """GPT-2 train-step throughput: our kernels (ops=ffi) vs the plain-JAX model (ops=xla, with
 cuDNN attention on a GPU), side by side in one run.
 
-    python benchmarks/train.py [--model gpt2] [--seq 1024] [--batch 16,32,64] [--ops ffi,xla]
+    python -m benchmarks.train [--model gpt2] [--seq 1024] [--batch 16,32,64] [--ops ffi,xla]
                                [--dtype bf16,f32] [--steps 10] [--profile DIR]
 
 For each (dtype, batch, ops): the jitted step (donated state, one micro-batch) is compiled,
@@ -20,17 +20,14 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from blujax import train  # noqa: E402
-from blujax.model import gpt2  # noqa: E402
-from blujax.model import ops as model_ops  # noqa: E402
+from blujax import train
+from blujax.model import gpt2
+from blujax.model import ops as model_ops
 
 
 def program_bytes(compiled) -> int | None:
@@ -133,8 +130,9 @@ def kernel_time_summary(path, steps: int, top: int = 25) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.train", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", default="16,32,64", help="batch sizes, comma-separated")

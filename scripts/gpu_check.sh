@@ -12,9 +12,10 @@
 # --tests SEL   what pytest runs on the GPU (default: tests), e.g. "tests/test_attention.py";
 #               "" runs no tests
 # --no-reruns   skip the reruns without CUDA graphs and on 8 emulated CPU devices
-# --no-kernels  skip the kernel benchmarks (kernels.py, and without --quick device_time.py)
-# --train ARGS  also run benchmarks/train.py ARGS (GPT-2 step throughput)
-# --parallel ARGS  also run benchmarks/parallel.py ARGS (steps on several GPUs); repeatable,
+# --no-kernels  skip the kernel benchmarks (benchmarks.kernels, and without --quick
+#               benchmarks.device_time)
+# --train ARGS  also run python -m benchmarks.train ARGS (GPT-2 step throughput)
+# --parallel ARGS  also run python -m benchmarks.parallel ARGS (steps on several GPUs); repeatable,
 #               the rows of all of them make one table
 # A machine lent for a few minutes at a time can run the whole check in several calls, each with
 # a part of it.
@@ -95,7 +96,7 @@ set -e
 echo "(no kernel benchmarks)" >"$out/kernels.md"
 if [ -n "$kernels" ]; then
   step "kernel benchmarks"
-  "$py" benchmarks/kernels.py $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
+  "$py" -m benchmarks.kernels $quick $ops --out "$out" >"$out/bench.log" 2>&1 \
     || { tail -40 "$out/bench.log"; exit 1; }
 fi
 echo "(no device-time table)" >"$out/device_time.md"
@@ -103,7 +104,7 @@ if [ -n "$kernels" ] && [ -z "$quick" ]; then
   # The memory-bound ops again in device time (profiler spans): calls of tens of microseconds
   # are partly host-bound in kernels.py's timing.
   step "memory-bound kernels in device time"
-  "$py" benchmarks/device_time.py $ops >"$out/device_time.md" 2>"$out/device_time.log" \
+  "$py" -m benchmarks.device_time $ops >"$out/device_time.md" 2>"$out/device_time.log" \
     || { tail -40 "$out/device_time.log"; exit 1; }
 fi
 echo "(no train benchmark)" >"$out/train.md"
@@ -111,7 +112,7 @@ if [ -n "$train" ]; then
   step "GPT-2 train-step benchmark"
   # shellcheck disable=SC2086
   train_status=0
-  "$py" benchmarks/train.py $train --json "$out/train.jsonl" >"$out/train.log" 2>&1 || train_status=$?
+  "$py" -m benchmarks.train $train --json "$out/train.jsonl" >"$out/train.log" 2>&1 || train_status=$?
   tail -20 "$out/train.log" | sed -n '/^| dtype/,$p' >"$out/train.md"
   [ "$train_status" = 0 ] || tail -30 "$out/train.log"
 fi
@@ -122,10 +123,10 @@ if [ ${#parallel[@]} -gt 0 ]; then
   rm -f "$out/parallel.jsonl"
   for args in "${parallel[@]}"; do
     # shellcheck disable=SC2086
-    "$py" benchmarks/parallel.py $args --json "$out/parallel.jsonl" 2>&1 \
+    "$py" -m benchmarks.parallel $args --json "$out/parallel.jsonl" 2>&1 \
       | tee -a "$out/parallel.log" || true
   done
-  "$py" benchmarks/parallel.py --report "$out/parallel.jsonl" >"$out/parallel.md" 2>&1 || true
+  "$py" -m benchmarks.parallel --report "$out/parallel.jsonl" >"$out/parallel.md" 2>&1 || true
 fi
 
 step "summary"

@@ -94,11 +94,10 @@ def _tree_case(name, shapes):
 
         def steps(grads, state, params):
             # STEPS optimizer steps in one call: passing ~600 donated arrays in and out of a
-            # program costs the host about 3.7 ms on an H100 machine, three steps' worth,
-            # which the harness's two queued programs do not hide (a train step hides it
-            # behind the previous step). At 10 steps a call it was a fifth of the time; at 100,
-            # under 2%. Each step's update is fed back as the next "gradient" so nothing is
-            # loop-invariant.
+            # program costs the host several steps' worth of time, which the harness's queued
+            # programs do not hide (a train step hides it behind the previous step); with
+            # enough steps a call it is a small part of the row (measured in LOG.md). Each
+            # step's update is fed back as the next "gradient" so nothing is loop-invariant.
             def body(_, carry):
                 grads, state = carry
                 return tx.update(grads, state, params)

@@ -1,6 +1,6 @@
 """LayerNorm's device time split into a cost per call and a cost per row, beside XLA.
 
-    python benchmarks/layernorm_fixed_cost.py [--dtype bfloat16] [--cols 768] [--rows R,R,...]
+    python -m benchmarks.probes.layernorm_fixed_cost [--dtype bfloat16] [--cols 768] [--rows R,...]
 
 A memory-bound kernel on a small tensor pays for its start and its end (the first loads'
 latency, the last rows' drain, a second kernel) as well as for its bytes. Here our LayerNorm
@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks.harness import itemsize, normal, traced_program  # noqa: E402
-from blujax import kernels  # noqa: E402
+from benchmarks.harness import itemsize, normal, traced_program
+from blujax import kernels
 
 
 def kernel_us(fn, sets, trace_dir: str) -> dict[str, float]:
@@ -42,8 +38,9 @@ def is_backward(name: str) -> bool:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.layernorm_fixed_cost",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="element type of x, dy and the outputs (default bfloat16)")
     p.add_argument("--cols", type=int, default=768, help="C, the normalised axis (default 768)")

@@ -4,7 +4,7 @@
 // copies through shared memory. Each variant is checked against the first and timed with CUDA
 // events (20 launches a sample, median of 7 interleaved rounds).
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90a -o copy_variants benchmarks/copy_variants.cu
+//   nvcc -std=c++17 -O3 -arch=sm_90a -o copy_variants benchmarks/probes/copy_variants.cu
 //   ./copy_variants
 //
 // (The TMA variants need sm_90; the rest run anywhere.)

@@ -1,8 +1,8 @@
 """The GELU forward, ours vs XLA's fusion, timed per kernel on the device from a profiler trace.
 
-    python benchmarks/gelu_device_time.py [--dtype float32] [--calls 16] [--trace-dir DIR]
+    python -m benchmarks.probes.gelu_device_time [--dtype float32] [--calls 16] [--trace-dir DIR]
 
-benchmarks/kernels.py times whole programs from the host, which also counts the gaps around
+benchmarks.kernels times whole programs from the host, which also counts the gaps around
 them. Here each implementation runs a jitted program of --calls calls (distinct inputs) three
 times under `jax.profiler.trace`; the median duration of the op's kernels on the device and
 the gaps between consecutive ones are read from the Perfetto trace. Cases: the flat and the
@@ -13,19 +13,15 @@ shapes). Needs a GPU.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks.harness import normal, trace_device_events  # noqa: E402
-from blujax import kernels  # noqa: E402
-from blujax.kernels import xla  # noqa: E402
+from benchmarks.harness import normal, trace_device_events
+from blujax import kernels
+from blujax.kernels import xla
 
 SHAPES = [(16384, 3072), (32768, 3072), (16384, 4096)]
 
@@ -49,8 +45,9 @@ def measure(fn, args, trace_dir: str, min_us: float) -> tuple[float, float]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.gelu_device_time", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="element type (default float32)")
     p.add_argument("--calls", type=int, default=16, help="calls per traced program (default 16)")
