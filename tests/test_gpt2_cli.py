@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 
 from blujax import cli, loop
-from blujax.cli import corpus as cli_corpus, parser as cli_parser
+from blujax.cli import corpus as cli_corpus, parser as cli_parser, run as cli_run
+from blujax.cli.settings import TrainSettings
 from blujax.checkpoint import Checkpointer
 from blujax.data import ShardError
 from blujax.model import gpt2
+from blujax.model import ops as model_ops
 from tests.util import rel_close
 
 pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
@@ -162,6 +164,34 @@ def test_eval_matches_the_runs_validation_loss(trained, capsys):
     assert status == 0
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert f"step 6 of {trained}: val loss {records[-1]['val_loss']:.4f}" in stdout
+
+
+def test_a_checkpoint_in_the_earlier_layout_is_converted(trained, tmp_path, capsys):
+    """A run saved before the QKV weight had its [.., 3, C] axis (fused [.., 3C], in the
+    params and AdamW's moments): eval reads it with the same loss, --resume goes on from it."""
+    old = tmp_path / "old"
+    shutil.copytree(trained, old)
+    config = json.loads((old / "config.json").read_text())
+    s = TrainSettings(**config["settings"])
+    r = cli_run.restore_latest(old, s, gpt2.PRESETS["tiny"], model_ops.get(s.ops))
+    tree = cli_run._map_params(gpt2.legacy_params, r.tree)
+    C = gpt2.PRESETS["tiny"].n_embd
+    assert tree["params"]["blocks"]["attn"]["w"].shape == (2, C, 3 * C)
+    assert tree["opt_state"][1].mu["blocks"]["attn"]["b"].shape == (2, 3 * C)
+    shutil.rmtree(old / "ckpt")
+    with Checkpointer(old / "ckpt", async_save=False) as ckpt:
+        ckpt.save(r.step, tree, loader=r.loader, config=r.config)
+    del config["model"]["family"]  # as runs of then wrote it
+    (old / "config.json").write_text(json.dumps(config))
+
+    status, stdout, err = _run(capsys, "eval", "--out", old)
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert status == 0, err
+    assert f"val loss {records[-1]['val_loss']:.4f}" in stdout
+    assert "earlier blujax's parameter layout" in err
+    status, stdout, err = _run(capsys, "train", "--resume", "--steps", 7, "--out", old)
+    assert status == 0, err
+    assert "done: step 7" in stdout
 
 
 def test_sample_is_deterministic_for_a_seed(trained, capsys):

@@ -87,6 +87,8 @@ class Family(Protocol):
     flops_per_token(config, seq_len): training FLOPs per token (for MFU).
     config_from_hf, hf_config, to_hf, from_hf (and to_llmc, from_llmc, llmc_shapes where the
       family has an llm.c format): blujax.interop's conversions.
+    Optional: legacy_params(params) / upgrade_params(params), to and from the parameter layout
+      of checkpoints an earlier blujax wrote, which `train --resume`, eval and sample convert.
     """
 
     NAME: str

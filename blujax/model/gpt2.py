@@ -587,8 +587,19 @@ def _fused_shapes(config: GPT2Config) -> dict:
     return {**shapes, "blocks": {**shapes["blocks"], "attn": fused}}
 
 
+def legacy_params(params: dict) -> dict:
+    """params in the layout of blujax checkpoints written before the QKV projection's q, k and
+    v had an axis of their own (before 2026-11-26): weight [L, C, 3C], bias [L, 3C]."""
+    return _fused_qkv(params)
+
+
+def upgrade_params(params: dict) -> dict:
+    """The inverse of legacy_params: such a checkpoint's params in today's layout."""
+    return _split_qkv(params)
+
+
 def _fused_qkv(p: dict) -> dict:
-    """Numpy params with the QKV weight and bias in the fused layout (_fused_shapes)."""
+    """Params (numpy or jax) with the QKV weight and bias in the fused layout (_fused_shapes)."""
     attn = p["blocks"]["attn"]
     fused = {k: v.reshape(*v.shape[:-2], -1) for k, v in attn.items()}
     return {**p, "blocks": {**p["blocks"], "attn": fused}}
