@@ -35,11 +35,27 @@ def pytest_report_header(config):
     )
 
 
+# The fast tier (pytest -m "not slow") of the op tests: every test of these files runs, but a
+# parametrized one only with its first FAST_CASES cases (the other shapes and dtypes are
+# marked slow); so every op's values, gradients, transformations and errors are still
+# exercised, in less than the whole grid. CI and the README's command run everything.
+OP_TEST_FILES = ("test_attention.py", "test_layernorm.py", "test_cross_entropy.py",
+                 "test_gelu.py", "test_adamw.py", "test_rms_norm.py", "test_swiglu.py",
+                 "test_rope.py")
+FAST_CASES = 2
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs JAX on a CUDA GPU with blujax._cuda")
+    seen = {}
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip)
+        if item.path.name in OP_TEST_FILES and hasattr(item, "callspec"):
+            key = (item.path.name, item.originalname)
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > FAST_CASES:
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

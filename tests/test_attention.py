@@ -53,9 +53,11 @@ def _device_for(d):
     return contextlib.nullcontext()
 
 
-def _qkv(rng, tq, tk, d, dtype, b=B, h=H):
-    return (randn(rng, (b, tq, h, d), dtype), randn(rng, (b, tk, h, d), dtype),
-            randn(rng, (b, tk, h, d), dtype))
+def _qkv(rng, tq, tk, d, dtype, b=B, h=H, kv=None):
+    """q [b, tq, h, d] and k, v [b, tk, kv, d] (kv = h unless given: grouped-query attention)."""
+    kv = h if kv is None else kv
+    return (randn(rng, (b, tq, h, d), dtype), randn(rng, (b, tk, kv, d), dtype),
+            randn(rng, (b, tk, kv, d), dtype))
 
 
 def _loss(fn, **kw):
@@ -74,8 +76,8 @@ def _values_and_grads(fn, causal, q, k, v, ct_out, ct_lse):
     return out, lse, grads
 
 
-def _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=B, h=H):
-    q, k, v = _qkv(rng, tq, tk, d, dtype, b=b, h=h)
+def _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=B, h=H, kv=None):
+    q, k, v = _qkv(rng, tq, tk, d, dtype, b=b, h=h, kv=kv)
     ct_out = randn(rng, q.shape, jnp.float32)
     ct_lse = randn(rng, (b, h, tq), jnp.float32)
     out, lse, got = _values_and_grads(ops.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
@@ -89,6 +91,7 @@ def _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=B, h=H):
     for g, r in zip(got, want):
         assert g.dtype == r.dtype and g.shape == r.shape
         assert_close(g, r, dtype, factor=2 if dtype == jnp.bfloat16 else 5)
+    return (q, k, v, ct_out, ct_lse), (out, lse, got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -226,6 +229,245 @@ def test_shard_map_over_heads(rng):
         assert_close(g, r, jnp.float32, factor=5)
     hlo = sharded.lower(q, k, v, ct_lse).as_text()
     assert "blujax_attention_fwd" in hlo and "all-gather" not in hlo
+
+
+# --- grouped-query attention: k, v with KV heads, KV dividing q's H heads ---------------------
+
+def _repeated_kv(q, k, v, *, causal=True, scale=None):
+    """An independent reference for grouped-query attention: k, v repeated to q's heads, as
+    Hugging Face's repeat_kv does it (key/value head j serves query heads j G .. j G + G - 1),
+    then multi-head attention in float32 (float64) einsums. jnp.repeat's transpose sums the
+    gradients of k, v over each group."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    ct = jnp.promote_types(q.dtype, jnp.float32)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if ct != jnp.float64:
+        scale = float(np.float32(scale))
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k.astype(ct), precision=hi) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v.astype(ct), precision=hi)
+    return out.astype(q.dtype), lse
+
+
+@pytest.mark.parametrize("h,kv,causal", [(8, 4, True), (8, 1, False), (6, 2, True)], ids=str)
+def test_spec_gqa_matches_repeated_kv(rng, h, kv, causal):
+    # The spec groups the query heads without repeating k, v; the reference repeats them.
+    q, k, v = _qkv(rng, 13, 13, 8, jnp.float32, b=2, h=h, kv=kv)
+    ct_out, ct_lse = randn(rng, q.shape, jnp.float32), randn(rng, (2, h, 13), jnp.float32)
+    got = _values_and_grads(spec.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
+    want = _values_and_grads(_repeated_kv, causal, q, k, v, ct_out, ct_lse)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape
+        assert_close(a, b, jnp.float32)
+
+
+def _one_dtype_on_cpu(cases):
+    """Each case in the dtype it names, and on a GPU (its own kernels per dtype) in the other
+    too: the CPU kernels share one code path for both."""
+    out = []
+    for *case, dtype in cases:
+        other = jnp.bfloat16 if dtype == jnp.float32 else jnp.float32
+        name = "-".join(map(str, case))
+        out += [pytest.param(*case, dtype, id=f"{name}-{jnp.dtype(dtype).name}"),
+                pytest.param(*case, other, id=f"{name}-{jnp.dtype(other).name}",
+                             marks=pytest.mark.gpu)]
+    return out
+
+
+# (Tq, Tk, causal, D, H, KV, dtype): odd lengths, causal and not, Tq != Tk both ways, and
+# groups H / KV of 1 (multi-head), 2, 3, 4 and H (one key/value head).
+GQA_CASES = _one_dtype_on_cpu([
+    (17, 17, True, 64, 8, 4, jnp.bfloat16), (67, 67, True, 128, 8, 2, jnp.float32),
+    (5, 70, False, 64, 8, 1, jnp.bfloat16), (130, 67, False, 64, 6, 2, jnp.float32),
+    (33, 33, False, 128, 8, 8, jnp.bfloat16), (70, 70, True, 64, 4, 1, jnp.float32),
+    (19, 19, True, 5, 4, 2, jnp.bfloat16),  # a head size without a GPU kernel (the CPU's)
+])
+
+
+@pytest.mark.parametrize("tq,tk,causal,d,h,kv,dtype", GQA_CASES)
+def test_gqa_values_and_grads(rng, tq, tk, causal, d, h, kv, dtype):
+    # Against the spec (inside _check_values_and_grads) and against k, v repeated.
+    with _device_for(d):
+        args, (out, lse, got) = _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=1, h=h,
+                                                        kv=kv)
+        out_ref, lse_ref, want = _values_and_grads(_repeated_kv, causal, *args)
+    assert got[1].shape == got[2].shape == (1, tk, kv, d)
+    assert_close(out, out_ref, dtype)
+    assert_close(lse, lse_ref, jnp.float32, factor=5)
+    for g, r in zip(got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert_close(g, r, dtype, factor=2 if dtype == jnp.bfloat16 else 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tq,tk,causal,d,h,kv", [
+    (1000, 1000, True, 64, 12, 4), (1024, 1024, False, 128, 8, 2), (1100, 1100, True, 128, 4, 1),
+    (2048, 2048, True, 64, 32, 8), (300, 1030, False, 64, 6, 3),
+], ids=str)
+def test_gpu_gqa_long_sequences(rng, tq, tk, causal, d, h, kv, dtype):
+    # Many tiles per (batch, head), so the dK/dV kernels' loop over a group's query heads
+    # crosses from one head to the next inside their pipelines.
+    _check_values_and_grads(rng, tq, tk, causal, d, dtype, b=1, h=h, kv=kv)
+
+
+@pytest.mark.parametrize("h,kv", [(4, 2), (4, 1)], ids=str)
+def test_gqa_check_grads_float64(rng, h, kv):
+    with cpu_float64():
+        q, k, v = _qkv(rng, 5, 5, 3, jnp.float64, b=2, h=h, kv=kv)
+        for causal in (True, False):
+            f = functools.partial(ops.attention_with_lse, causal=causal)
+            rel_close(f(q, k, v), _repeated_kv(q, k, v, causal=causal), 1e-13)
+            check_grads(f, (q, k, v), order=1, modes=("rev",))
+
+
+@pytest.mark.gpu
+def test_gqa_deterministic_gradients(rng):
+    # dK and dV sum a group's query heads inside one CTA, in a fixed order: reruns agree bit
+    # for bit (in XLA's deterministic mode, as the tests run).
+    args, (_, _, got) = _check_values_and_grads(rng, 70, 70, True, 64, jnp.bfloat16, b=1, h=4,
+                                                kv=1)
+    again = _values_and_grads(ops.attention_with_lse, True, *args)[2]
+    for a, b in zip(got, again):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gqa_jit_vmap_and_shard_map(rng):
+    # vmap over a leading axis (one kernel call per member), and shard_map over heads: each
+    # device holds H / n query heads and the KV / n key/value heads they attend to (blocks of
+    # consecutive heads keep head h with head h // G).
+    q = randn(rng, (2, 1, 9, 4, 64), jnp.float32)
+    k = randn(rng, (2, 1, 12, 2, 64), jnp.float32)
+    v = randn(rng, (2, 1, 12, 2, 64), jnp.float32)
+    f = functools.partial(ops.attention_with_lse, causal=False)
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)[0])) + jnp.sum(fn(q, k, v)[1])
+    got = jax.jit(jax.vmap(jax.value_and_grad(loss(f), argnums=(0, 1, 2))))(q, k, v)
+    want = jax.jit(jax.vmap(jax.value_and_grad(loss(functools.partial(_repeated_kv,
+                                                                      causal=False)),
+                                               argnums=(0, 1, 2))))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(a, b, jnp.float32, factor=5)
+
+    devices = mesh_devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices)
+    q, k, v = _qkv(rng, 19, 19, 64, jnp.float32, b=1, h=4 * n, kv=n)
+    ct_lse = randn(rng, (1, 4 * n, 19), jnp.float32)
+
+    def attn_loss(op, q, k, v, ct_lse):
+        out, lse = op(q, k, v)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(lse * ct_lse)
+
+    @jax.jit
+    def sharded(q, k, v, ct_lse):
+        def body(q, k, v, ct_lse):
+            return jax.lax.psum(attn_loss(ops.attention_with_lse, q, k, v, ct_lse), "tensor")
+        heads = P(None, None, "tensor")
+        return jax.shard_map(body, mesh=mesh, in_specs=(heads, heads, heads, P(None, "tensor")),
+                             out_specs=P())(q, k, v, ct_lse)
+
+    got = jax.value_and_grad(sharded, argnums=(0, 1, 2))(q, k, v, ct_lse)
+    want = jax.jit(jax.value_and_grad(functools.partial(attn_loss, _repeated_kv),
+                                      argnums=(0, 1, 2)))(q, k, v, ct_lse)
+    assert_close(got[0], want[0], jnp.float32)
+    for g, r in zip(got[1], want[1]):
+        assert_close(g, r, jnp.float32, factor=5)
+    hlo = sharded.lower(q, k, v, ct_lse).as_text()
+    assert "blujax_attention_fwd" in hlo and "all-gather" not in hlo
+
+
+def test_gqa_ring_attention(rng):
+    # Ring attention passes k, v chunks of KV heads round the context axis and merges through
+    # the lse of q's H heads: nothing in it depends on KV == H.
+    from blujax import sharding
+
+    n = 2
+    devices = mesh_devices()
+    if len(devices) % n:
+        pytest.skip(f"needs a multiple of {n} devices")
+    mesh = jax.make_mesh((n,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:n])
+    q, k, v = _qkv(rng, 8 * n, 8 * n, 64, jnp.float32, b=1, h=4, kv=2)
+
+    def ring(q, k, v):
+        return sharding.ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse,
+                                       axis_name="context", axis_size=n)
+
+    seq = P(None, "context")
+    sharded = jax.shard_map(ring, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)
+    z = functools.partial(sharding.zigzag, n=n, axis=1)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(sharded)(*map(z, a)), argnums=(0, 1, 2)))(
+        q, k, v)
+    want = jax.jit(jax.value_and_grad(loss(lambda *a: _repeated_kv(*a)[0]),
+                                      argnums=(0, 1, 2)))(q, k, v)
+    assert_close(got[0], want[0], jnp.float32, factor=5)
+    for g, r in zip(got[1], want[1]):
+        assert_close(g, r, jnp.float32, factor=5)
+
+
+def test_gqa_bad_heads_raise_clear_errors(rng):
+    q, k, v = _qkv(rng, 6, 6, 64, jnp.float32, h=6, kv=3)
+    for op in (ops.attention, ops.attention_with_lse, spec.attention):
+        with pytest.raises(ValueError, match=r"6 heads but k, v have 4|4 heads, which do not "
+                                             r"divide q's 6"):
+            op(q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2))
+    with pytest.raises(ValueError, match=r"q has 6 heads but k, v have 4 .*the key/value heads "
+                                         r"must divide the query heads"):
+        ops.attention(q, jnp.concatenate([k, k[:, :, :1]], 2),
+                      jnp.concatenate([v, v[:, :, :1]], 2))
+    with pytest.raises(ValueError, match="q has 6 heads but k, v have 12"):
+        ops.attention(q, jnp.concatenate([k, k, k, k], 2), jnp.concatenate([v, v, v, v], 2))
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        ops.attention(q, k, v[:, :, :1])
+    with pytest.raises(ValueError, match="q has 6 heads but k, v have 0"):
+        ops.attention(q, k[:, :, :0], v[:, :, :0])
+    with pytest.raises(ValueError, match="q has 0 heads but k, v have 3"):
+        ops.attention(q[:, :, :0], k, v)
+
+
+@pytest.mark.parametrize("case", ["kv_not_dividing", "kv_more", "no_q_heads", "kv_unlike_v",
+                                  "dk_shape", "dv_q_heads", "qkv_grouped"])
+def test_gqa_handler_rejects_inconsistent_buffers(rng, case):
+    q, k, v = _qkv(rng, 6, 6, 64, jnp.float32, h=4, kv=2)
+    sds = jax.ShapeDtypeStruct
+    o, l, c = sds(q.shape, q.dtype), sds((B, 4, 6), jnp.float32), sds((1,), jnp.int32)
+    kv_like = sds(k.shape, k.dtype)
+    attrs = dict(causal=True, scale=np.float64(0.3))
+    lse = jnp.zeros((B, 4, 6), jnp.float32)
+    three = jnp.concatenate([k, k[:, :, :1]], 2)
+    fwd, bwd = "blujax_attention_fwd", "blujax_attention_bwd"
+    calls = {
+        "kv_not_dividing": (fwd, r"k and v have 3 heads, which do not divide q's 4",
+                            lambda: _raw(fwd, (o, l, c), q, three, three, **attrs)),
+        "kv_more": (fwd, r"k and v have 8 heads, which do not divide q's 4",
+                    lambda: _raw(fwd, (o, l, c), q, jnp.concatenate([k] * 4, 2),
+                                 jnp.concatenate([v] * 4, 2), **attrs)),
+        "no_q_heads": (fwd, r"k and v have 2 heads, which do not divide q's 0",
+                       lambda: _raw(fwd, (sds((B, 6, 0, 64), q.dtype), sds((B, 0, 6), jnp.float32),
+                                          c), q[:, :, :0], k, v, **attrs)),
+        "kv_unlike_v": (fwd, "blujax_attention_fwd: v",
+                        lambda: _raw(fwd, (o, l, c), q, k, three, **attrs)),
+        # dk, dv have k's KV heads, not q's H.
+        "dk_shape": (bwd, "blujax_attention_bwd: dk",
+                     lambda: _raw(bwd, (o, o, kv_like, l), q, k, v, q, lse, q, lse,
+                                  sum_dq=False, **attrs)),
+        "dv_q_heads": (bwd, "blujax_attention_bwd: dv",
+                       lambda: _raw(bwd, (o, kv_like, o, l), q, k, v, q, lse, q, lse,
+                                    sum_dq=False, **attrs)),
+        "qkv_grouped": ("blujax_attention_qkv_bwd", "as many key/value heads as query heads",
+                        lambda: _raw("blujax_attention_qkv_bwd", (sds((B, 6, 3, 4, 64),
+                                                                      q.dtype), l),
+                                     q, k, v, q, lse, q, lse, sum_dq=False, **attrs)),
+    }
+    target, message, call = calls[case]
+    with pytest.raises(Exception, match=f"{target}: .*{message}|{message}"):
+        jax.block_until_ready(call())
 
 
 # --- attention_qkv: a fused QKV projection's output in, its gradient out in one tensor ----------
@@ -437,10 +679,26 @@ DQ_SUM_CASES = [(1, 1, True, 64), (17, 17, True, 64), (5, 70, False, 64), (130, 
 
 @pytest.mark.parametrize("tq,tk,causal,d", DQ_SUM_CASES, ids=str)
 def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
+    _check_bwd_workspace_with_dq_room(rng, tq, tk, causal, d)
+
+
+@pytest.mark.parametrize("tq,tk,causal,d,h,kv", [
+    (17, 17, True, 64, 4, 2),
+    pytest.param(200, 130, False, 128, 6, 2, marks=pytest.mark.gpu),
+    pytest.param(1000, 1000, True, 64, 4, 1, marks=pytest.mark.gpu),
+    pytest.param(1100, 1100, True, 128, 8, 2, marks=pytest.mark.gpu),
+], ids=str)
+def test_gqa_bwd_workspace_with_dq_room(rng, tq, tk, causal, d, h, kv):
+    # Grouped: the workspace stays per query head ([B, H, Tq + room]); on Hopper the summing
+    # dK/dV kernel adds each query head's dQ shares into that head's rows.
+    _check_bwd_workspace_with_dq_room(rng, tq, tk, causal, d, h=h, kv=kv)
+
+
+def _check_bwd_workspace_with_dq_room(rng, tq, tk, causal, d, h=H, kv=None):
     # The same call with and without sum_dq (and the room it needs): the GPU takes the summing
     # kernel with it on Hopper and the two-kernel backward otherwise; the CPU leaves the room.
     # Same gradients and delta.
-    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
+    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16, h=h, kv=kv)
     out, lse = ops.attention_with_lse(q, k, v, causal=causal)
     dout = randn(rng, q.shape, jnp.bfloat16)
     dlse = randn(rng, lse.shape, jnp.float32)
@@ -448,7 +706,7 @@ def test_bwd_workspace_with_dq_room(rng, tq, tk, causal, d):
 
     def bwd(extra):
         results = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
-                   sds((B, H, tq + extra), jnp.float32))
+                   sds((B, h, tq + extra), jnp.float32))
         return _raw("blujax_attention_bwd", results, q, k, v, out, lse, dout, dlse,
                     causal=causal, scale=np.float64(1 / np.sqrt(d)), sum_dq=extra > 0)
 
@@ -492,19 +750,32 @@ def _outside_deterministic_mode(monkeypatch):
     pytest.param(1000, 1000, True, 64, marks=pytest.mark.gpu),
 ], ids=str)
 def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d):
+    _check_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,tk,causal,d,h,kv", [
+    (1100, 1100, True, 128, 8, 2), (1000, 1000, False, 64, 12, 4), (200, 130, False, 128, 4, 1),
+], ids=str)
+def test_gqa_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d,
+                                                         h, kv):
+    _check_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d, h=h, kv=kv)
+
+
+def _check_outside_deterministic_mode(rng, monkeypatch, tq, tk, causal, d, h=H, kv=None):
     # The tests run in XLA's deterministic mode (conftest), where the backward keeps its two
     # kernels; here the summing kernel runs on Hopper, through attention and attention_qkv
     # (except in causal calls of few keys, which keep the two kernels in any mode).
     _outside_deterministic_mode(monkeypatch)
     fresh = functools.partial(ops.attention_with_lse)  # a new static argument: a new trace
-    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16)
+    q, k, v = _qkv(rng, tq, tk, d, jnp.bfloat16, h=h, kv=kv)
     ct_out = randn(rng, q.shape, jnp.float32)
-    ct_lse = randn(rng, (B, H, tq), jnp.float32)
+    ct_lse = randn(rng, (B, h, tq), jnp.float32)
     _, _, got = _values_and_grads(fresh, causal, q, k, v, ct_out, ct_lse)
     _, _, want = _values_and_grads(spec.attention_with_lse, causal, q, k, v, ct_out, ct_lse)
     for g, r in zip(got, want):
         assert_close(g, r, jnp.bfloat16, factor=2)
-    if tq == tk:
+    if tq == tk and k.shape[2] == h:  # the fused qkv form is multi-head only
         qkv = jnp.stack([q, k, v], axis=2)
         fresh_qkv = functools.partial(ops.attention_qkv)
         _, dqkv = _qkv_value_and_grad(fresh_qkv, causal, qkv, ct_out)
@@ -512,7 +783,7 @@ def test_values_and_grads_outside_deterministic_mode(rng, monkeypatch, tq, tk, c
         assert_close(dqkv, dqkv_ref, jnp.bfloat16, factor=2)
     hlo = jax.jit(jax.grad(lambda q: jnp.sum(ops.attention(q, k, v, causal=causal)))).lower(
         q).as_text()
-    room = f"tensor<{B}x{H}x{tq + dq_room(tq, d)}xf32>"
+    room = f"tensor<{B}x{h}x{tq + dq_room(tq, d)}xf32>"
     hopper = ON_GPU and jax.devices()[0].compute_capability == "9.0"
     # Short causal calls keep the two kernels (too few key blocks a query tile).
     assert (room in hlo) == (hopper and not (causal and tk <= CAUSAL_TWO_KERNEL_KEYS[d]))

@@ -11,9 +11,13 @@ PyTorch allocates outside JAX's memory pool: leave it room (XLA_PYTHON_CLIENT_ME
 leaves 6 GB of an 80 GB GPU, enough here).
 
 Shapes: 65536 tokens per call (B = 65536 / T) at T = 1024 to 8192, H = 12 heads of D = 64
-(GPT-2) and of D = 128, so B * H runs from 768 down to 96. FLOPs count the two matrix
-products of the forward, 4 B H T^2 D, halved when causal (the masked half is never computed);
-fwd+bwd counts 3.5 times that (the backward's five products are 2.5 forwards).
+(GPT-2) and of D = 128, so B * H runs from 768 down to 96. Grouped-query rows (k, v with KV
+heads, each shared by H / KV query heads, as Llama's): B = 16 at T = 1024 and 2048, H = 12 with
+KV = 4 and H = 32 with KV = 8, D = 64; every contender takes k, v as they are (cuDNN and XLA
+through jax.nn.dot_product_attention, which takes grouped heads; PyTorch with enable_gqa=True,
+PyTorch 2.5 on). FLOPs count the two matrix products of the forward, 4 B H T^2 D (H: the query
+heads), halved when causal (the masked half is never computed); fwd+bwd counts 3.5 times that
+(the backward's five products are 2.5 forwards).
 """
 
 import importlib.util
@@ -28,7 +32,10 @@ TOKENS = 65536
 SEQ_LENS = (1024, 2048, 4096, 8192)
 HEADS = 12
 HEAD_DIMS = (64, 128)
-QUICK = [(2, 128, 2, 64)]  # (B, T, H, D): a smoke test that also runs on the CPU
+# Grouped-query attention: (B, T, H, KV, D).
+GQA_SHAPES = [(16, t, h, kv, 64) for h, kv in ((12, 4), (32, 8)) for t in (1024, 2048)]
+# (B, T, H, KV, D): smoke tests that also run on the CPU, multi-head and grouped
+QUICK = [(2, 128, 2, 2, 64), (2, 64, 4, 2, 64)]
 
 
 def _impl(name, causal):
@@ -54,13 +61,16 @@ def _torch_available(on_gpu: bool) -> bool:
     return torch.cuda.is_available() or not on_gpu
 
 
-def _torch_impl(causal, fwd_bwd):
+def _torch_impl(causal, fwd_bwd, gqa):
     import torch
     import torch.nn.functional as F
 
+    # Grouped heads only where asked for (enable_gqa is PyTorch 2.5 on).
+    kw = {"enable_gqa": True} if gqa else {}
+
     def op(q, k, v):  # [B, T, H, D] tensors; PyTorch's layout is [B, H, T, D]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=causal)
+                                             v.transpose(1, 2), is_causal=causal, **kw)
         return out.transpose(1, 2)
 
     def run(q, k, v, dout):
@@ -69,20 +79,21 @@ def _torch_impl(causal, fwd_bwd):
     return TorchFn(run if fwd_bwd else op)
 
 
-def _make(impl, key, b, t, h, d, dtype, causal, fwd_bwd):
-    args = _inputs(key, b, t, h, d, dtype, fwd_bwd)
+def _make(impl, key, b, t, h, kv, d, dtype, causal, fwd_bwd):
+    args = _inputs(key, b, t, h, kv, d, dtype, fwd_bwd)
     if impl == "torch":
         # q, k and v are leaves that need gradients; dout is not
-        return (_torch_impl(causal, fwd_bwd),
+        return (_torch_impl(causal, fwd_bwd, kv != h),
                 tuple(to_torch(x, requires_grad=fwd_bwd and i < 3) for i, x in enumerate(args)))
     op = _impl(impl, causal)
     return (_fwd_bwd(op) if fwd_bwd else op), args
 
 
-def _inputs(key, b, t, h, d, dtype, with_dout):
+def _inputs(key, b, t, h, kv, d, dtype, with_dout):
+    """q [B, T, H, D], k and v [B, T, KV, D], and dout like q."""
     keys = jax.random.split(key, 4)
-    qkv = tuple(normal(kk, (b, t, h, d), dtype) for kk in keys[:3])
-    return qkv + ((normal(keys[3], (b, t, h, d), dtype),) if with_dout else ())
+    q, k, v = (normal(kk, (b, t, n, d), dtype) for kk, n in zip(keys[:3], (h, kv, kv)))
+    return (q, k, v) + ((normal(keys[3], (b, t, h, d), dtype),) if with_dout else ())
 
 
 def cases(quick: bool = False):
@@ -92,26 +103,29 @@ def cases(quick: bool = False):
     # as PyTorch is.
     impls = ("ours", "cudnn") if on_gpu else ("ours",)
     impls += ("torch", "xla") if _torch_available(on_gpu) else ("xla",)
-    shapes = QUICK if quick else [(TOKENS // t, t, HEADS, d) for d in HEAD_DIMS for t in SEQ_LENS]
+    shapes = QUICK if quick else (
+        [(TOKENS // t, t, HEADS, HEADS, d) for d in HEAD_DIMS for t in SEQ_LENS] + GQA_SHAPES)
     out = []
-    for b, t, h, d in shapes:
+    for b, t, h, kv, d in shapes:
         for causal in (True, False):
             s = itemsize(dtype)
 
-            def make_fwd(impl, key, b=b, t=t, h=h, d=d, causal=causal):
-                return _make(impl, key, b, t, h, d, dtype, causal, False)
+            def make_fwd(impl, key, b=b, t=t, h=h, kv=kv, d=d, causal=causal):
+                return _make(impl, key, b, t, h, kv, d, dtype, causal, False)
 
-            def make_fwd_bwd(impl, key, b=b, t=t, h=h, d=d, causal=causal):
-                return _make(impl, key, b, t, h, d, dtype, causal, True)
+            def make_fwd_bwd(impl, key, b=b, t=t, h=h, kv=kv, d=d, causal=causal):
+                return _make(impl, key, b, t, h, kv, d, dtype, causal, True)
 
-            name = f"B{b} T{t} H{h} D{d}{' causal' if causal else ''}"
+            heads = f"H{h}" if kv == h else f"H{h} KV{kv}"
+            name = f"B{b} T{t} {heads} D{d}{' causal' if causal else ''}"
             fwd_flops = 4 * b * h * t * t * d // (2 if causal else 1)
-            tensor = b * t * h * d * s
+            q_bytes, kv_bytes = b * t * h * d * s, b * t * kv * d * s
             common = dict(impls=impls, optional=("cudnn", "torch", "xla"), calls=4)
             # bytes (for reference only): q, k, v read and out written; the backward also
             # reads out and dout and writes dq, dk, dv
-            out.append(Case("attention", "fwd", name, "bfloat16", 4 * tensor, make_fwd,
-                            flops=fwd_flops, **common))
-            out.append(Case("attention", "fwd+bwd", name, "bfloat16", 10 * tensor,
-                            make_fwd_bwd, flops=fwd_flops * 7 // 2, **common))
+            out.append(Case("attention", "fwd", name, "bfloat16", 2 * q_bytes + 2 * kv_bytes,
+                            make_fwd, flops=fwd_flops, **common))
+            out.append(Case("attention", "fwd+bwd", name, "bfloat16",
+                            6 * q_bytes + 4 * kv_bytes, make_fwd_bwd,
+                            flops=fwd_flops * 7 // 2, **common))
     return out

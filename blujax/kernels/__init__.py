@@ -15,11 +15,15 @@ from blujax.kernels.cross_entropy import (
 )
 from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
+from blujax.kernels.rms_norm import add_rms_norm, rms_norm
+from blujax.kernels.rope import rope
+from blujax.kernels.swiglu import swiglu
 
 __all__ = [
     "adamw_update",
     "adamw_update_many",
     "add_layer_norm",
+    "add_rms_norm",
     "attention",
     "attention_qkv",
     "attention_with_lse",
@@ -27,7 +31,10 @@ __all__ = [
     "cross_entropy_stats",
     "gelu",
     "layer_norm",
+    "rms_norm",
+    "rope",
     "softmax_cross_entropy",
     "softmax_cross_entropy_mean",
+    "swiglu",
     "vocab_parallel_softmax_cross_entropy",
 ]

@@ -4,8 +4,11 @@ Kernels: xla_ext/cuda/attention.cu (bfloat16 on tensor cores, float32 in exact f
 arithmetic; head size D of 64 or 128) and xla_ext/cpu/attention.cc (float32, float64,
 bfloat16 with float32 arithmetic; any D). The forward saves the per-row log-sum-exp; the
 backward recomputes the probabilities from q, k and it, and takes a cotangent for lse too
-(ring attention merges partial results through lse). The jnp specification is
-`blujax.kernels.xla.attention` / `attention_with_lse`.
+(ring attention merges partial results through lse). k and v may have fewer heads than q
+(grouped-query attention): the kernels read each query head's key/value head where it lies,
+and the backward sums dk, dv over a group inside its dK/dV kernel, writing each once (no
+repeated k, v, no per-head copies of their gradients; deterministic as the multi-head
+backward). The jnp specification is `blujax.kernels.xla.attention` / `attention_with_lse`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ GPU_HEAD_DIMS = (64, 128)
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
     """softmax(scale * q k^T [+ causal mask]) v per batch and head.
 
-    q: [B, Tq, H, D]; k, v: [B, Tk, H, D], one dtype (float32, bfloat16, or float64 on the CPU).
+    q: [B, Tq, H, D]; k, v: [B, Tk, KV, D], one dtype (float32, bfloat16, or float64 on the
+    CPU). KV == H is multi-head attention; KV < H dividing H is grouped-query attention: query
+    head i attends to key/value head i // (H / KV) (Hugging Face's repeat_kv order), with no
+    repeated copy of k, v made, and the gradients of k, v summed over each group's query heads.
     On a GPU, D must be 64 or 128 (GPU_HEAD_DIMS). causal=True masks keys after the query and
     needs Tq == Tk. scale defaults to 1/sqrt(D); it reaches the kernels as a float64, which
     they use at their precision (float64 for float64, float32 otherwise). Returns
@@ -39,15 +45,17 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
 
 
 def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = None):
-    """(attention(q, k, v), lse): lse is [B, H, Tq], the natural-log log-sum-exp of each
-    query's scaled (and masked) scores, float32 (float64 for float64). Both are differentiable.
+    """(attention(q, k, v), lse): lse is [B, H, Tq] (H: q's heads), the natural-log
+    log-sum-exp of each query's scaled (and masked) scores, float32 (float64 for float64). Both
+    are differentiable.
     """
     return _attention_op("attention_with_lse", q, k, v, causal, scale)
 
 
 def attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
     """attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]) for the output of a fused QKV
-    projection, qkv: [B, T, 3, H, D]. Returns [B, T, H, D].
+    projection, qkv: [B, T, 3, H, D] (multi-head only: as many key/value heads as query
+    heads). Returns [B, T, H, D].
 
     The same kernels as `attention`; the backward writes dq, dk and dv straight into one
     [B, T, 3, H, D] gradient, so no pass of the program concatenates them (a transformer's
@@ -86,9 +94,11 @@ def _check(op, q, k, v, causal, scale) -> float:
     if bk != b:
         raise ValueError(f"{op}: q has batch {b} but k, v have batch {bk} (shapes {q.shape}, "
                          f"{k.shape})")
-    if hk != h:
+    if hk != h and (hk < 1 or hk > h or h % hk):
         raise ValueError(f"{op}: q has {h} heads but k, v have {hk} (shapes {q.shape}, "
-                         f"{k.shape}); repeat k, v for grouped-query attention")
+                         f"{k.shape}); the key/value heads must divide the query heads "
+                         f"(grouped-query attention: query head i attends to key/value "
+                         f"head i // (H / KV))")
     if dk != d:
         raise ValueError(f"{op}: q has head size {d} but k, v have {dk} (shapes {q.shape}, "
                          f"{k.shape})")

@@ -42,6 +42,20 @@ def add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5)
     return layer_norm(s, weight, bias, eps=eps), s
 
 
+def rms_norm(x, weight, *, eps: float = 1e-5):
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (no mean subtracted, no bias)."""
+    ct = _compute_dtype(x.dtype)
+    xc = x.astype(ct)
+    ms = jnp.mean(jnp.square(xc), axis=-1, keepdims=True)
+    return (xc * jax.lax.rsqrt(ms + eps) * weight.astype(ct)).astype(x.dtype)
+
+
+def add_rms_norm(x, residual, weight, *, eps: float = 1e-5):
+    """(rms_norm(s), s) with s = x + residual, in x's dtype."""
+    s = x + residual
+    return rms_norm(s, weight, eps=eps), s
+
+
 def adamw_update(param, grad, m, v, hparams, *, b1: float = 0.9, b2: float = 0.95,
                  eps: float = 1e-8):
     """One AdamW step, in optax.adamw's order: returns (update, new_m, new_v).
@@ -72,6 +86,28 @@ def gelu(x, bias=None):
     if bias is not None:
         v = v + bias.astype(v.dtype)
     return jax.nn.gelu(v, approximate=True).astype(x.dtype)
+
+
+def swiglu(x):
+    """silu(gate) * up of x [..., 2, F] = (gate, up) along its second-to-last axis: [..., F],
+    computed in the compute dtype and rounded to x's dtype once."""
+    ct = _compute_dtype(x.dtype)
+    gate, up = x[..., 0, :].astype(ct), x[..., 1, :].astype(ct)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def rope(x, cos, sin):
+    """Rotary position embedding of x [..., T, N, D] by cos, sin [T, D/2], Hugging Face
+    Llama's rotate_half form: for d < D/2, y[d] = x[d] cos[t, d] - x[d + D/2] sin[t, d] and
+    y[d + D/2] = x[d + D/2] cos[t, d] + x[d] sin[t, d]; in the compute dtype, rounded once.
+    cos and sin get zero gradients (they are not parameters)."""
+    ct = _compute_dtype(x.dtype)
+    half = x.shape[-1] // 2
+    # [T, 1, D/2]: one row per position, shared by the heads.
+    c = jax.lax.stop_gradient(cos).astype(ct)[:, None, :]
+    s = jax.lax.stop_gradient(sin).astype(ct)[:, None, :]
+    x1, x2 = x[..., :half].astype(ct), x[..., half:].astype(ct)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
@@ -105,25 +141,34 @@ def softmax_cross_entropy_mean(logits, targets, *, ignore_index: int = -1,
 
 
 def attention_with_lse(q, k, v, *, causal: bool = True, scale: float | None = None):
-    """(softmax(scale * q k^T [+ causal mask]) v, lse) over q [B, Tq, H, D], k, v [B, Tk, H, D].
+    """(softmax(scale * q k^T [+ causal mask]) v, lse) over q [B, Tq, H, D], k, v [B, Tk, KV, D].
 
-    lse [B, H, Tq] is the log-sum-exp of each query's scaled scores, float32 (float64 for
-    float64). causal masks keys after the query (Tq == Tk). scale defaults to 1/sqrt(D); below
-    float64 it is rounded to float32, as the kernels use it.
+    KV divides H (grouped-query attention; KV == H is multi-head attention): query head h
+    attends to key/value head h // (H / KV), as Hugging Face's repeat_kv has it. lse [B, H, Tq]
+    is the log-sum-exp of each query's scaled scores, float32 (float64 for float64). causal
+    masks keys after the query (Tq == Tk). scale defaults to 1/sqrt(D); below float64 it is
+    rounded to float32, as the kernels use it.
     """
+    b, tq, h, d = q.shape
+    kv = k.shape[2]
+    if kv != h and (kv < 1 or kv > h or h % kv):
+        raise ValueError(f"attention: k, v have {kv} heads, which do not divide q's {h}")
     ct = _compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if ct != jnp.float64:
         scale = float(np.float32(scale))
     hi = jax.lax.Precision.HIGHEST  # an oracle: no TF32 on a GPU
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k.astype(ct), precision=hi) * scale
+    # The query heads as [KV, G]: head h is (h // G, h % G), so each group meets its K/V head
+    # without K and V being repeated.
+    qg = q.astype(ct).reshape(b, tq, kv, h // kv if kv else 1, d)
+    s = jnp.einsum("bqngd,bknd->bngqk", qg, k.astype(ct), precision=hi) * scale
     if causal:
-        keep = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        keep = jnp.tril(jnp.ones((tq, k.shape[1]), bool))
         s = jnp.where(keep, s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(ct), precision=hi)
-    return out.astype(q.dtype), lse
+    out = jnp.einsum("bngqk,bknd->bqngd", p, v.astype(ct), precision=hi)
+    return out.reshape(q.shape).astype(q.dtype), lse.reshape(b, h, tq)
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None):

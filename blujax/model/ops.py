@@ -49,9 +49,29 @@ def _add_layer_norm(x, residual, weight, bias, *, x_bias=None, eps: float = 1e-5
     return xla.add_layer_norm(x, residual, weight, bias, eps=eps)
 
 
+def _add_rms_norm(x, residual, weight, *, eps: float = 1e-5):
+    # As plain JAX writes a Llama block: the residual added in x's dtype, then the norm.
+    s = x + residual
+    return xla.rms_norm(s, weight, eps=eps), s
+
+
 def _dot_product_attention_qkv(qkv, *, causal: bool = True, scale: float | None = None):
     return _dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal,
                                   scale=scale)
+
+
+def _swiglu(x):
+    # As plain JAX writes a Llama MLP: in x's dtype, on x [..., 2, F] = (gate, up).
+    return jax.nn.silu(x[..., 0, :]) * x[..., 1, :]
+
+
+def _rope(x, cos, sin):
+    # As Hugging Face Llama writes it: full-width tables [T, D] cast to x's dtype, then
+    # x * cos + rotate_half(x) * sin, broadcast over the heads of x [..., T, N, D].
+    cos = jnp.concatenate([cos, cos], axis=-1)[:, None, :].astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], axis=-1)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 class Namespace:
@@ -72,7 +92,11 @@ class Namespace:
 XLA = Namespace(
     layer_norm=xla.layer_norm,
     add_layer_norm=_add_layer_norm,
+    rms_norm=xla.rms_norm,
+    add_rms_norm=_add_rms_norm,
     gelu=xla.gelu,
+    swiglu=_swiglu,
+    rope=_rope,
     softmax_cross_entropy=xla.softmax_cross_entropy,
     softmax_cross_entropy_mean=xla.softmax_cross_entropy_mean,
     attention=_dot_product_attention,

@@ -8,14 +8,19 @@
 // precision: double for float64 inputs, float for float32 and bfloat16); the two backward
 // targets also sum_dq (bool, below)
 //
-// q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, H, D] (the layout a fused QKV
-// projection gives without a transpose), all of one float dtype. lse, dlse and delta are
-// [B, H, Tq], float32 (float64 for float64 inputs). With s = scale * q k^T per (b, h):
+// q, out, dout, dq are [B, Tq, H, D]; k, v, dk, dv are [B, Tk, KV, D] (the layout a fused QKV
+// projection gives without a transpose), all of one float dtype. KV divides H: KV == H is
+// multi-head attention, KV < H grouped-query attention, where query head h attends to
+// key/value head h / G, G = H / KV (Hugging Face's repeat_kv order); no kernel makes repeated
+// copies of k and v, and dk, dv of a key/value head are the sums over its G query heads.
+// lse, dlse and delta are [B, H, Tq], float32 (float64 for float64 inputs). With
+// s = scale * q k^T per (b, h), k and v of head h / G:
 //   lse_i = log(sum_j exp(s_ij))    out_i = sum_j exp(s_ij - lse_i) v_j
 // causal masks keys j > i and needs Tq == Tk (every row then keeps at least key 0); the
 // non-causal form allows Tq != Tk (ring attention's off-diagonal blocks).
 // Backward, with P = exp(s - lse), dP = dout v^T and delta_i = sum_d dout_id out_id - dlse_i:
 //   dS = P * (dP - delta_i)    dq = scale dS k    dk = scale dS^T q    dv = P^T dout
+// (dk and dv summed over the G query heads of the key/value head.)
 // (dlse enters because d lse_i / d s_ij = P_ij; ring attention merges partial results through
 // lse, so its gradient flows back through it.) delta is an output only because the GPU needs
 // it as scratch between its kernels and handlers never allocate; callers drop it.
@@ -29,7 +34,7 @@
 // units of work in it; callers drop it, and the CPU leaves it.
 // The qkv form writes dq, dk, dv into one [B, T, 3, H, D] tensor (dqkv[:, :, 0] = dq, 1 = dk,
 // 2 = dv), the gradient of a fused QKV projection's output, so that no pass of the program
-// concatenates the three; it needs Tq == Tk.
+// concatenates the three; it needs Tq == Tk and KV == H.
 // The GPU runs float32 and bfloat16 with D = 64 or 128; the CPU any D, and float64 too.
 #pragma once
 
@@ -43,6 +48,9 @@ namespace blujax {
 
 struct AttentionDims {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, head_dim = 0;
+  // Key/value heads (KV, dividing heads) and the query heads per key/value head (G = H / KV;
+  // 1 for multi-head attention, and where there are no heads at all).
+  int64_t kv_heads = 0, group = 1;
 };
 
 inline ffi::DataType AttentionStatType(ffi::DataType x) {
@@ -76,14 +84,22 @@ inline ffi::Error CheckAttentionInputs(const char* op, const ffi::AnyBuffer& q,
                            DtypeName(q.element_type()));
   BLUJAX_RETURN_IF_ERROR(CheckLike(op, "v", v, "k", k));
   auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3])
+  if (qd[0] != kd[0] || qd[3] != kd[3])
     return InvalidArgument(op, ": q ", ShapeString(q), " and k ", ShapeString(k),
-                           " must agree in batch, heads and head size ([B, T, H, D])");
+                           " must agree in batch and head size ([B, T, H, D])");
+  // Grouped-query attention: KV divides H (both 0 is an empty multi-head call).
+  if (kd[2] != qd[2] && (kd[2] < 1 || kd[2] > qd[2] || qd[2] % kd[2] != 0))
+    return InvalidArgument(op, ": k and v have ", kd[2], " heads, which do not divide q's ",
+                           qd[2], " (q ", ShapeString(q), ", k ", ShapeString(k),
+                           "; grouped-query attention needs H / KV query heads a key/value "
+                           "head)");
   dims->batch = qd[0];
   dims->q_len = qd[1];
   dims->kv_len = kd[1];
   dims->heads = qd[2];
   dims->head_dim = qd[3];
+  dims->kv_heads = kd[2];
+  dims->group = kd[2] > 0 ? qd[2] / kd[2] : 1;
   if (dims->q_len < 1 || dims->kv_len < 1 || dims->head_dim < 1)
     return InvalidArgument(op, ": sequence lengths and head size must be >= 1 (q ",
                            ShapeString(q), ", k ", ShapeString(k), ")");
@@ -189,6 +205,9 @@ inline ffi::Error CheckAttentionQkvGrad(const char* op, const ffi::AnyBuffer& q,
   if (d.q_len != d.kv_len)
     return InvalidArgument(op, ": the qkv gradient needs as many queries as keys, got Tq = ",
                            d.q_len, " and Tk = ", d.kv_len);
+  if (d.kv_heads != d.heads)
+    return InvalidArgument(op, ": the qkv gradient needs as many key/value heads as query "
+                           "heads, got H = ", d.heads, " and KV = ", d.kv_heads);
   BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "dqkv", dqkv, q.element_type()));
   auto g = dqkv.dimensions();
   if (g.size() != 5 || g[0] != d.batch || g[1] != d.q_len || g[2] != 3 || g[3] != d.heads ||

@@ -6,6 +6,9 @@
 // (running max m, running sum l, unnormalised output acc rescaled by exp(m_old - m_new) when
 // the max grows), so no [Tq, Tk] score matrix is ever formed; it saves lse = m + log(l).
 // Backward recomputes the probabilities from q, k and lse block by block, as the GPU will.
+// Grouped-query attention (k, v with KV < H heads): each key/value head is gathered once and
+// serves its G = H / KV query heads in turn; the backward sums dk, dv over them in place, in
+// query-head order, and writes them once.
 
 #include <algorithm>
 #include <cmath>
@@ -25,17 +28,19 @@ namespace {
 constexpr int64_t kBlockQ = 32;
 constexpr int64_t kBlockK = 64;
 
-// One (batch, head) slice of a [B, T, H, D] tensor, copied to a contiguous [T, D] array in
-// compute precision (the head axis is strided in memory).
+// One (batch, head) slice of a [B, T, N, D] tensor (N: the tensor's heads, H for q, KV for k
+// and v), copied to a contiguous [T, D] array in compute precision (the head axis is strided
+// in memory).
 template <typename T, typename S>
-void Gather(const T* x, int64_t b, int64_t h, int64_t len, const AttentionDims& d, S* dst) {
+void Gather(const T* x, int64_t b, int64_t h, int64_t len, int64_t heads, int64_t head_dim,
+            S* dst) {
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t off = ((b * len + t) * d.heads + h) * d.head_dim;
-    for (int64_t c = 0; c < d.head_dim; ++c) dst[t * d.head_dim + c] = Load(x, off + c);
+    const int64_t off = ((b * len + t) * heads + h) * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) dst[t * head_dim + c] = Load(x, off + c);
   }
 }
 
-// The reverse, into rows `token_stride` elements apart: H * D, or 3 * H * D for one of the
+// The reverse, into rows `token_stride` elements apart: N * D, or 3 * H * D for one of the
 // three thirds of a [B, T, 3, H, D] gradient.
 template <typename T, typename S>
 void Scatter(const S* src, int64_t b, int64_t h, int64_t len, const AttentionDims& d,
@@ -71,9 +76,12 @@ void AttentionFwdImpl(const T* q, const T* k, const T* v, T* out,
   std::vector<S> acc(kBlockQ * dh), m(kBlockQ), l(kBlockQ), s(kBlockK);
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t h = 0; h < d.heads; ++h) {
-      Gather(q, b, h, tq, d, qh.data());
-      Gather(k, b, h, tk, d, kh.data());
-      Gather(v, b, h, tk, d, vh.data());
+      // Query head h attends to key/value head h / G, gathered once for its group.
+      if (h % d.group == 0) {
+        Gather(k, b, h / d.group, tk, d.kv_heads, dh, kh.data());
+        Gather(v, b, h / d.group, tk, d.kv_heads, dh, vh.data());
+      }
+      Gather(q, b, h, tq, d.heads, dh, qh.data());
       for (int64_t q0 = 0; q0 < tq; q0 += kBlockQ) {
         const int64_t nq = std::min(kBlockQ, tq - q0);
         std::fill(m.begin(), m.end(), neg_inf);
@@ -121,8 +129,9 @@ template <typename T>
 void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
                       const typename Compute<T>::type* lse, const T* dout,
                       const typename Compute<T>::type* dlse, T* dq, T* dk, T* dv,
-                      typename Compute<T>::type* delta_out, int64_t grad_stride,
-                      const AttentionDims& d, bool causal, double scale_attr) {
+                      typename Compute<T>::type* delta_out, int64_t q_grad_stride,
+                      int64_t kv_grad_stride, const AttentionDims& d, bool causal,
+                      double scale_attr) {
   using S = typename Compute<T>::type;
   const int64_t tq = d.q_len, tk = d.kv_len, dh = d.head_dim;
   const S scale = static_cast<S>(scale_attr);  // exact for float64, rounded to float otherwise
@@ -130,14 +139,19 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
   std::vector<S> dqh(tq * dh), dkh(tk * dh), dvh(tk * dh);
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t h = 0; h < d.heads; ++h) {
-      Gather(q, b, h, tq, d, qh.data());
-      Gather(k, b, h, tk, d, kh.data());
-      Gather(v, b, h, tk, d, vh.data());
-      Gather(out, b, h, tq, d, oh.data());
-      Gather(dout, b, h, tq, d, doh.data());
+      // Key/value head h / G: gathered, and its sums zeroed, at the group's first query head;
+      // dk and dv written after its last.
+      const int64_t kvh = h / d.group;
+      if (h % d.group == 0) {
+        Gather(k, b, kvh, tk, d.kv_heads, dh, kh.data());
+        Gather(v, b, kvh, tk, d.kv_heads, dh, vh.data());
+        std::fill(dkh.begin(), dkh.end(), S(0));
+        std::fill(dvh.begin(), dvh.end(), S(0));
+      }
+      Gather(q, b, h, tq, d.heads, dh, qh.data());
+      Gather(out, b, h, tq, d.heads, dh, oh.data());
+      Gather(dout, b, h, tq, d.heads, dh, doh.data());
       std::fill(dqh.begin(), dqh.end(), S(0));
-      std::fill(dkh.begin(), dkh.end(), S(0));
-      std::fill(dvh.begin(), dvh.end(), S(0));
       const S* row_lse = &lse[(b * d.heads + h) * tq];
       const S* row_dlse = &dlse[(b * d.heads + h) * tq];
       // D_i - dlse_i: the part of dS_ij = P_ij (dP_ij - D_i + dlse_i) that is the same for
@@ -175,9 +189,11 @@ void AttentionBwdImpl(const T* q, const T* k, const T* v, const T* out,
           }
         }
       }
-      Scatter(dqh.data(), b, h, tq, d, grad_stride, dq);
-      Scatter(dkh.data(), b, h, tk, d, grad_stride, dk);
-      Scatter(dvh.data(), b, h, tk, d, grad_stride, dv);
+      Scatter(dqh.data(), b, h, tq, d, q_grad_stride, dq);
+      if (h % d.group == d.group - 1) {
+        Scatter(dkh.data(), b, kvh, tk, d, kv_grad_stride, dk);
+        Scatter(dvh.data(), b, kvh, tk, d, kv_grad_stride, dv);
+      }
     }
   }
 }
@@ -199,19 +215,21 @@ ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   });
 }
 
-// dq, dk, dv at their pointers, rows grad_stride apart (both handlers below).
+// dq, dk, dv at their pointers, rows of dq q_grad_stride apart and of dk, dv kv_grad_stride
+// (both handlers below).
 ffi::Error AttentionBwdImpl(const char* op, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                             ffi::AnyBuffer dout, ffi::AnyBuffer dlse, void* dq, void* dk,
-                            void* dv, int64_t grad_stride, ffi::AnyBuffer* delta,
-                            const AttentionDims& d, bool causal, double scale) {
+                            void* dv, int64_t q_grad_stride, int64_t kv_grad_stride,
+                            ffi::AnyBuffer* delta, const AttentionDims& d, bool causal,
+                            double scale) {
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
     AttentionBwdImpl<T>(In<T>(q), In<T>(k), In<T>(v), In<T>(out), In<S>(lse), In<T>(dout),
                         In<S>(dlse), static_cast<T*>(dq), static_cast<T*>(dk),
                         static_cast<T*>(dv), static_cast<S*>(delta->untyped_data()),
-                        grad_stride, d, causal, scale);
+                        q_grad_stride, kv_grad_stride, d, causal, scale);
   });
 }
 
@@ -228,7 +246,7 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
   return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, dq->untyped_data(),
                           dk->untyped_data(), dv->untyped_data(), d.heads * d.head_dim,
-                          &*delta, d, causal, scale);
+                          d.kv_heads * d.head_dim, &*delta, d, causal, scale);
 }
 
 ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -245,7 +263,8 @@ ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const int64_t third = d.heads * d.head_dim * ffi::ByteWidth(q.element_type());
   char* base = static_cast<char*>(dqkv->untyped_data());
   return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, base, base + third,
-                          base + 2 * third, 3 * d.heads * d.head_dim, &*delta, d, causal, scale);
+                          base + 2 * third, 3 * d.heads * d.head_dim, 3 * d.heads * d.head_dim,
+                          &*delta, d, causal, scale);
 }
 
 }  // namespace
@@ -253,8 +272,8 @@ ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
-                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
-                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, KV, D], KV dividing H
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, KV, D]
                            .Ret<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32 (f64 for f64)
                            .Ret<ffi::AnyBuffer>()   // counter [1] s32, the GPU's scratch
@@ -264,15 +283,15 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
 XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
-                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
-                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, KV, D], KV dividing H
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, KV, D]
                            .Arg<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Arg<ffi::AnyBuffer>()   // lse [B, H, Tq]
                            .Arg<ffi::AnyBuffer>()   // dout [B, Tq, H, D]
                            .Arg<ffi::AnyBuffer>()   // dlse [B, H, Tq], cotangent of lse
                            .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
-                           .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
-                           .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
+                           .Ret<ffi::AnyBuffer>()   // dk [B, Tk, KV, D], summed over each group
+                           .Ret<ffi::AnyBuffer>()   // dv [B, Tk, KV, D]
                            .Ret<ffi::AnyBuffer>()   // delta: rowsum(dout out) - dlse, [B, H, Tq]
                            .Attr<bool>("causal")
                            .Attr<double>("scale")   // f64: exact for f64 inputs, a float otherwise

@@ -45,6 +45,23 @@
 // float32 must match a float32 reference (no TF32), so it runs on plain FMAs: a SIMT kernel
 // of the same three-kernel shape where D/16 threads share a row, 16 columns each.
 //
+// Grouped-query attention (k, v with KV heads, G = H / KV > 1 query heads each) runs on the
+// same kernels compiled a second time (their kGqa template argument), chosen per call by G:
+// multi-head calls (G = 1) take the kernels as they were before there were groups, compiled
+// without a line of the grouped code. Every architecture runs the grouped form of the kernels
+// it runs for multi-head calls: on Hopper the sm90 forward and backward (both the two-kernel
+// and the dQ-summing form), elsewhere (and with BLUJAX_NO_WGMMA=1) the portable ones; float32
+// everywhere on the SIMT kernels. No kernel copies K or V per query head:
+//   forward, dQ   per (batch, query head) as before, reading K and V of key/value head h / G;
+//   dK/dV         one CTA per key tile of one (batch, key/value head), which streams the query
+//                 tiles of the G query heads of its group one head after the other through
+//                 its pipeline and sums dK and dV over them in its accumulators, then writes
+//                 them once. Each element of dk, dv is still written by one CTA in a fixed
+//                 order: deterministic wherever the multi-head backward is, with no scratch
+//                 and no atomics. (The alternatives: G partial dK, dV per key/value head
+//                 summed by another pass, G times the memory and traffic; or atomics, in a
+//                 varying order.) The grid has G times fewer, G times longer CTAs.
+//
 // Shared-memory tiles of bfloat16 are rows of D/8 16-byte chunks with the chunk index XORed
 // by row % 8, so the 8 rows an ldmatrix phase reads at one logical chunk fall in 8 different
 // bank groups (a row is 128 or 256 bytes, so unswizzled they would all share one).
@@ -113,6 +130,17 @@ bool WithHeadDim(int64_t d, F&& f) {
   }
 }
 
+// f(std::true_type) for grouped-query attention (G = H / KV > 1), else f(std::false_type): the
+// kernels' kGqa.
+template <typename F>
+void WithGroups(const AttentionDims& d, F&& f) {
+  if (d.group > 1) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 // LaunchKernel with kThreads, the block size of every kernel but the Hopper ones.
 template <auto kKernel, typename... Args>
 ffi::Error Launch(const char* op, int64_t blocks, size_t smem, cudaStream_t stream, int device,
@@ -143,7 +171,7 @@ ffi::Error TileMap(const char* op, CUtensorMap* map, const void* data, int64_t b
 
 // The Hopper forward (AttentionFwdSm90Kernel): one CTA per multiprocessor, or one per unit of
 // work where there are fewer units.
-template <int D>
+template <int D, bool kGqa>
 ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          int* unit_counter, const Geometry& g) {
@@ -151,8 +179,8 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   const int64_t batch = bh / g.heads;
   FwdSm90Maps maps;
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.q, q, batch, g.tq, g.heads, D, 64));
-  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.k, k, batch, g.tk, g.heads, D, C::kBN));
-  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.v, v, batch, g.tk, g.heads, D, C::kBN));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.k, k, batch, g.tk, g.kv_heads, D, C::kBN));
+  BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.v, v, batch, g.tk, g.kv_heads, D, C::kBN));
   BLUJAX_RETURN_IF_ERROR(TileMap(op, &maps.out, out, batch, g.tq, g.heads, D, 16));
   // Causal: the blocks of query rows start `lead` rows before row 0 (whole warpgroups of 64,
   // less than a block), so the one block only partly inside the sequence is the first, whose
@@ -165,7 +193,7 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   const int64_t units = bh * (g.causal ? (n_qt + 1) / 2 : n_qt);
   const int64_t ctas = std::min<int64_t>(units, SmCount(device));
   auto launch = [&](auto counted) {
-    return LaunchKernel<AttentionFwdSm90Kernel<C, decltype(counted)::value>>(
+    return LaunchKernel<AttentionFwdSm90Kernel<C, decltype(counted)::value, kGqa>>(
         op, ctas, C::kThreads, C::kSmem, stream, device, maps, lse, g, static_cast<int>(units),
         n_qt, lead, unit_counter);
   };
@@ -180,27 +208,27 @@ ffi::Error LaunchFwdSm90(const char* op, cudaStream_t stream, int device, int64_
   return launch(std::true_type{});
 }
 
-template <int D>
+template <int D, bool kGqa>
 ffi::Error LaunchFwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const void* q, const void* k, const void* v, void* out, float* lse,
                          int* unit_counter, const Geometry& g) {
   // Hopper: persistent CTAs (measured faster than a CTA per block, benchmarks/LOG.md).
-  if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>, false>, device))
-    return LaunchFwdSm90<D>(op, stream, device, bh, q, k, v, out, lse, unit_counter, g);
+  if (Sm90Runs(AttentionFwdSm90Kernel<FwdSm90<D>, false, false>, device))
+    return LaunchFwdSm90<D, kGqa>(op, stream, device, bh, q, k, v, out, lse, unit_counter, g);
   using C = FwdBf16<D>;
   const int n_qt = (g.tq + C::kBM - 1) / C::kBM;
-  return Launch<AttentionFwdBf16Kernel<C>>(
+  return Launch<AttentionFwdBf16Kernel<C, kGqa>>(
       op, n_qt * bh, C::kSmem, stream, device, static_cast<const bf16*>(q),
       static_cast<const bf16*>(k), static_cast<const bf16*>(v), static_cast<bf16*>(out), lse, g,
       n_qt);
 }
 
-template <int D>
+template <int D, bool kGqa>
 ffi::Error LaunchFwdF32(const char* op, cudaStream_t stream, int device, int64_t bh,
                         const void* q, const void* k, const void* v, void* out, float* lse,
                         int* /*unit_counter*/, const Geometry& g) {
   const int n_qt = (g.tq + F32Tile<D>::kRows - 1) / F32Tile<D>::kRows;
-  return Launch<AttentionFwdF32Kernel<D>>(
+  return Launch<AttentionFwdF32Kernel<D, kGqa>>(
       op, n_qt * bh, F32Tile<D>::kSmem, stream, device, static_cast<const float*>(q),
       static_cast<const float*>(k), static_cast<const float*>(v), static_cast<float*>(out), lse,
       g, n_qt);
@@ -228,18 +256,20 @@ ffi::Error LaunchDelta(const char* op, cudaStream_t stream, const BwdBuffers& b,
   return LastCudaError(op);
 }
 
-template <typename KV, typename Q>
+// bh: (batch, query head) pairs; the dK/dV kernels have a CTA per key tile of each (batch,
+// key/value head) pair, B * KV of them (B * H multi-head).
+template <typename KV, typename Q, bool kGqa>
 ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const BwdBuffers& b, const Geometry& g) {
   constexpr int D = KV::kD;
   static_assert(Q::kD == D, "one head size");
-  const int64_t batch = bh / g.heads;
+  const int64_t batch = bh / g.heads, bkv = batch * g.kv_heads;
   // Each kernel's maps: q and dout in boxes of its query tile, k and v of its key tile.
   auto make_maps = [&](BwdSm90Maps* m, int q_rows, int k_rows) {
     ffi::Error e = TileMap(op, &m->q, b.q, batch, g.tq, g.heads, D, q_rows);
     if (!e.failure()) e = TileMap(op, &m->dout, b.dout, batch, g.tq, g.heads, D, q_rows);
-    if (!e.failure()) e = TileMap(op, &m->k, b.k, batch, g.tk, g.heads, D, k_rows);
-    if (!e.failure()) e = TileMap(op, &m->v, b.v, batch, g.tk, g.heads, D, k_rows);
+    if (!e.failure()) e = TileMap(op, &m->k, b.k, batch, g.tk, g.kv_heads, D, k_rows);
+    if (!e.failure()) e = TileMap(op, &m->v, b.v, batch, g.tk, g.kv_heads, D, k_rows);
     return e;
   };
   BwdSm90Maps kv_maps, q_maps;
@@ -252,55 +282,57 @@ ffi::Error LaunchBwdSm90(const char* op, cudaStream_t stream, int device, int64_
     if (cudaMemsetAsync(b.dq_sum, 0, size_t(bh) * n_q64 * 64 * D * sizeof(float), stream) !=
         cudaSuccess)
       return LastCudaError(op);
-    BLUJAX_RETURN_IF_ERROR(LaunchKernel<AttentionBwdKvSm90Kernel<F>>(
-        op, n_kt * bh, F::kThreads, F::kSmem, stream, device, kv_maps, b.lse, b.delta,
-        static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), b.dq_sum, g, n_kt));
+    BLUJAX_RETURN_IF_ERROR((LaunchKernel<AttentionBwdKvSm90Kernel<F, kGqa>>(
+        op, n_kt * bkv, F::kThreads, F::kSmem, stream, device, kv_maps, b.lse, b.delta,
+        static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), b.dq_sum, g, n_kt)));
     DqFromSums<D><<<static_cast<unsigned>(bh * n_q64), 4 * D, 0, stream>>>(
         b.dq_sum, static_cast<bf16*>(b.dq), g, n_q64);
     return LastCudaError(op);
   }
   BLUJAX_RETURN_IF_ERROR(make_maps(&q_maps, Q::kBM, Q::kBN));
   const int n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
-  BLUJAX_RETURN_IF_ERROR(LaunchKernel<AttentionBwdKvSm90Kernel<KV>>(
-      op, n_kt * bh, KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse, b.delta,
-      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), nullptr, g, n_kt));
-  return LaunchKernel<AttentionBwdQSm90Kernel<Q>>(op, n_qt * bh, Q::kThreads, Q::kSmem, stream,
-                                                  device, q_maps, b.lse, b.delta,
-                                                  static_cast<bf16*>(b.dq), g, n_qt);
+  BLUJAX_RETURN_IF_ERROR((LaunchKernel<AttentionBwdKvSm90Kernel<KV, kGqa>>(
+      op, n_kt * bkv, KV::kThreads, KV::kSmem, stream, device, kv_maps, b.lse, b.delta,
+      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), nullptr, g, n_kt)));
+  return LaunchKernel<AttentionBwdQSm90Kernel<Q, kGqa>>(op, n_qt * bh, Q::kThreads, Q::kSmem,
+                                                        stream, device, q_maps, b.lse, b.delta,
+                                                        static_cast<bf16*>(b.dq), g, n_qt);
 }
 
-template <int D>
+template <int D, bool kGqa>
 ffi::Error LaunchBwdBf16(const char* op, cudaStream_t stream, int device, int64_t bh,
                          const BwdBuffers& b, const Geometry& g) {
-  if (Sm90Runs(AttentionBwdKvSm90Kernel<BwdKvSm90<D>>, device)) {
-    return LaunchBwdSm90<BwdKvSm90<D>, BwdQSm90<D>>(op, stream, device, bh, b, g);
+  if (Sm90Runs(AttentionBwdKvSm90Kernel<BwdKvSm90<D>, false>, device)) {
+    return LaunchBwdSm90<BwdKvSm90<D>, BwdQSm90<D>, kGqa>(op, stream, device, bh, b, g);
   }
   using KV = BwdKvBf16<D>;
   using Q = BwdQBf16<D>;
   const int n_kt = (g.tk + KV::kBN - 1) / KV::kBN, n_qt = (g.tq + Q::kBM - 1) / Q::kBM;
+  const int64_t bkv = bh / g.heads * g.kv_heads;  // the dK/dV kernel's (batch, KV head) pairs
   auto q = static_cast<const bf16*>(b.q), k = static_cast<const bf16*>(b.k);
   auto v = static_cast<const bf16*>(b.v), dout = static_cast<const bf16*>(b.dout);
-  BLUJAX_RETURN_IF_ERROR(Launch<AttentionBwdKvBf16Kernel<D>>(
-      op, n_kt * bh, KV::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
-      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), g, n_kt));
-  return Launch<AttentionBwdQBf16Kernel<Q>>(op, n_qt * bh, Q::kSmem, stream, device, q, k, v,
-                                            dout, b.lse, b.delta, static_cast<bf16*>(b.dq), g,
-                                            n_qt);
+  BLUJAX_RETURN_IF_ERROR((Launch<AttentionBwdKvBf16Kernel<D, kGqa>>(
+      op, n_kt * bkv, KV::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
+      static_cast<bf16*>(b.dk), static_cast<bf16*>(b.dv), g, n_kt)));
+  return Launch<AttentionBwdQBf16Kernel<Q, kGqa>>(op, n_qt * bh, Q::kSmem, stream, device, q, k,
+                                                  v, dout, b.lse, b.delta,
+                                                  static_cast<bf16*>(b.dq), g, n_qt);
 }
 
-template <int D>
+template <int D, bool kGqa>
 ffi::Error LaunchBwdF32(const char* op, cudaStream_t stream, int device, int64_t bh,
                         const BwdBuffers& b, const Geometry& g) {
   using C = F32Tile<D>;
   const int n_kt = (g.tk + C::kRows - 1) / C::kRows, n_qt = (g.tq + C::kRows - 1) / C::kRows;
+  const int64_t bkv = bh / g.heads * g.kv_heads;  // the dK/dV kernel's (batch, KV head) pairs
   auto q = static_cast<const float*>(b.q), k = static_cast<const float*>(b.k);
   auto v = static_cast<const float*>(b.v), dout = static_cast<const float*>(b.dout);
-  BLUJAX_RETURN_IF_ERROR(Launch<AttentionBwdKvF32Kernel<D>>(
-      op, n_kt * bh, C::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
-      static_cast<float*>(b.dk), static_cast<float*>(b.dv), g, n_kt));
-  return Launch<AttentionBwdQF32Kernel<D>>(op, n_qt * bh, C::kSmem, stream, device, q, k, v,
-                                           dout, b.lse, b.delta, static_cast<float*>(b.dq), g,
-                                           n_qt);
+  BLUJAX_RETURN_IF_ERROR((Launch<AttentionBwdKvF32Kernel<D, kGqa>>(
+      op, n_kt * bkv, C::kSmem, stream, device, q, k, v, dout, b.lse, b.delta,
+      static_cast<float*>(b.dk), static_cast<float*>(b.dv), g, n_kt)));
+  return Launch<AttentionBwdQF32Kernel<D, kGqa>>(op, n_qt * bh, C::kSmem, stream, device, q, k,
+                                                 v, dout, b.lse, b.delta,
+                                                 static_cast<float*>(b.dq), g, n_qt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,6 +368,8 @@ Geometry MakeGeometry(const AttentionDims& d, bool causal, double scale) {
   g.scale = static_cast<float>(scale);  // the attribute is float64 for the CPU's float64 kernel
   g.scale_log2 = g.scale * kLog2e;
   g.grad_stride = d.heads * d.head_dim;
+  g.kv_heads = static_cast<int>(d.kv_heads);
+  g.group = static_cast<int>(d.group);
   return g;
 }
 
@@ -357,11 +391,14 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
   float* lse_ptr = static_cast<float*>(lse->untyped_data());
   ffi::Error result = ffi::Error::Success();
   WithHeadDim(d.head_dim, [&](auto dim) {
-    constexpr int D = decltype(dim)::value;
-    auto launch = is_bf16 ? &LaunchFwdBf16<D> : &LaunchFwdF32<D>;
-    result = launch(op, stream, device, d.batch * d.heads, q.untyped_data(), k.untyped_data(),
-                    v.untyped_data(), out->untyped_data(), lse_ptr,
-                    static_cast<int*>(counter->untyped_data()), g);
+    WithGroups(d, [&](auto gqa) {
+      constexpr int D = decltype(dim)::value;
+      constexpr bool kGqa = decltype(gqa)::value;
+      auto launch = is_bf16 ? &LaunchFwdBf16<D, kGqa> : &LaunchFwdF32<D, kGqa>;
+      result = launch(op, stream, device, d.batch * d.heads, q.untyped_data(), k.untyped_data(),
+                      v.untyped_data(), out->untyped_data(), lse_ptr,
+                      static_cast<int*>(counter->untyped_data()), g);
+    });
   });
   return result;
 }
@@ -389,8 +426,11 @@ ffi::Error AttentionBwdImpl(const char* op, cudaStream_t stream, int32_t device,
     result = is_bf16 ? LaunchDelta<bf16, D>(op, stream, b, d)
                      : LaunchDelta<float, D>(op, stream, b, d);
     if (!result.failure()) {
-      auto launch = is_bf16 ? &LaunchBwdBf16<D> : &LaunchBwdF32<D>;
-      result = launch(op, stream, device, d.batch * d.heads, b, g);
+      WithGroups(d, [&](auto gqa) {
+        constexpr bool kGqa = decltype(gqa)::value;
+        auto launch = is_bf16 ? &LaunchBwdBf16<D, kGqa> : &LaunchBwdF32<D, kGqa>;
+        result = launch(op, stream, device, d.batch * d.heads, b, g);
+      });
     }
   });
   return result;
@@ -446,8 +486,8 @@ XLA_FFI_DEFINE_HANDLER(kAttentionFwd, AttentionFwd,
                            .Ctx<Stream>()
                            .Ctx<Device>()
                            .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
-                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
-                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, KV, D], KV dividing H
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, KV, D]
                            .Ret<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Ret<ffi::AnyBuffer>()   // lse [B, H, Tq] f32
                            .Ret<ffi::AnyBuffer>()   // counter [1] s32, scratch
@@ -460,15 +500,15 @@ XLA_FFI_DEFINE_HANDLER(kAttentionBwd, AttentionBwd,
                            .Ctx<Stream>()
                            .Ctx<Device>()
                            .Arg<ffi::AnyBuffer>()   // q [B, Tq, H, D]
-                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, H, D]
-                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, H, D]
+                           .Arg<ffi::AnyBuffer>()   // k [B, Tk, KV, D], KV dividing H
+                           .Arg<ffi::AnyBuffer>()   // v [B, Tk, KV, D]
                            .Arg<ffi::AnyBuffer>()   // out [B, Tq, H, D]
                            .Arg<ffi::AnyBuffer>()   // lse [B, H, Tq]
                            .Arg<ffi::AnyBuffer>()   // dout [B, Tq, H, D]
                            .Arg<ffi::AnyBuffer>()   // dlse [B, H, Tq], cotangent of lse
                            .Ret<ffi::AnyBuffer>()   // dq [B, Tq, H, D]
-                           .Ret<ffi::AnyBuffer>()   // dk [B, Tk, H, D]
-                           .Ret<ffi::AnyBuffer>()   // dv [B, Tk, H, D]
+                           .Ret<ffi::AnyBuffer>()   // dk [B, Tk, KV, D], summed over each group
+                           .Ret<ffi::AnyBuffer>()   // dv [B, Tk, KV, D]
                            .Ret<ffi::AnyBuffer>()   // delta [B, H, Tq (+ dQ room)] f32, scratch
                            .Attr<bool>("causal")
                            .Attr<double>("scale")   // f64 as on the CPU; the kernels use a float

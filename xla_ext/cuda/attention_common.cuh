@@ -20,7 +20,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
 
 // What every kernel knows about the problem. [B, T, H, D] tensors: one (batch, head) slice is
-// T rows of D elements, H * D apart.
+// T rows of D elements, H * D apart. k, v, dk and dv have KV heads: H for multi-head attention,
+// a divisor of H for grouped-query attention.
 struct Geometry {
   int heads = 0;
   int tq = 0, tk = 0;
@@ -30,7 +31,19 @@ struct Geometry {
   // Elements from one token's row of dq, dk, dv to the next: H * D, or 3 * H * D when the
   // three are written into one [B, T, 3, H, D] gradient of a fused QKV projection.
   int64_t grad_stride = 0;
+  // Grouped-query attention: the heads of k, v, dk, dv (KV), and the query heads per key/value
+  // head (G = H / KV): query head h reads key/value head h / G. Read only by the kernels
+  // compiled for it (kGqa), which the launchers take when G > 1; the multi-head kernels take
+  // H and grad_stride for both sides, as they did before there were groups.
+  int kv_heads = 0;
+  int group = 1;
 };
+
+// The heads of k and v: KV for grouped-query attention, else H.
+template <bool kGqa>
+__device__ __forceinline__ int KvHeads(const Geometry& g) {
+  return kGqa ? g.kv_heads : g.heads;
+}
 
 // Offset of row 0 of (batch, head) bh in a [B, T, H, D] tensor.
 template <int D>
@@ -46,6 +59,56 @@ __device__ __forceinline__ int64_t GradOffset(int64_t bh, int t_len, const Geome
   const int64_t b = bh / g.heads, h = bh % g.heads;
   return b * t_len * g.grad_stride + h * D;
 }
+
+// Offset of row 0 of the key/value head that (batch, query head) bh reads, in k or v.
+template <int D, bool kGqa>
+__device__ __forceinline__ int64_t KvHeadOffset(int64_t bh, const Geometry& g) {
+  if constexpr (kGqa) {
+    const int64_t b = bh / g.heads;
+    const int h = static_cast<int>(bh % g.heads);  // a 32-bit division below
+    return (b * g.tk * g.kv_heads + h / g.group) * D;
+  } else {
+    return HeadOffset<D>(bh, g.tk, g.heads);
+  }
+}
+
+// dk and dv of (batch, key/value head) bkv: the offset of row 0, and the elements from one row
+// to the next. Multi-head, as GradOffset (they may be thirds of a fused QKV gradient); grouped,
+// plain [B, Tk, KV, D] tensors.
+template <int D, bool kGqa>
+__device__ __forceinline__ int64_t KvGradOffset(int64_t bkv, const Geometry& g) {
+  if constexpr (kGqa) {
+    return HeadOffset<D>(bkv, g.tk, g.kv_heads);
+  } else {
+    return GradOffset<D>(bkv, g.tk, g);
+  }
+}
+template <int D, bool kGqa>
+__device__ __forceinline__ int64_t KvGradStride(const Geometry& g) {
+  return kGqa ? int64_t(g.kv_heads) * D : g.grad_stride;
+}
+
+// The query steps of a grouped-query dK/dV kernel, which holds the keys of one (batch,
+// key/value head) bkv and streams the query tiles past them: tiles first .. n_qt - 1 of each of
+// the G query heads of its group, head after head, as one sequence of steps first, first + 1,
+// ..., Last() - 1 (so that the loads of the next head's first tile overlap the last tile of
+// this one). The multi-head kernels' step i is tile i of head bkv; they do not call these (the
+// kernels write `kGqa ? steps.Tile(i) : i`: calls, even inlined ones that return i, changed the
+// multi-head kernels' code).
+struct QuerySteps {
+  int64_t bkv;
+  int first, per_head;  // per_head = n_qt - first tiles in each query head
+  int group;
+
+  __device__ __forceinline__ QuerySteps(int64_t bkv_, int first_, int n_qt, const Geometry& g)
+      : bkv(bkv_), first(first_), per_head(n_qt - first_), group(g.group) {}
+  __device__ __forceinline__ int Last() const { return first + per_head * group; }
+  // Which of the group's query heads step i is in (0 .. G - 1), its query tile, and the
+  // (batch, query head) its rows belong to.
+  __device__ __forceinline__ int Member(int i) const { return (i - first) / per_head; }
+  __device__ __forceinline__ int Tile(int i) const { return i - Member(i) * per_head; }
+  __device__ __forceinline__ int64_t Head(int i) const { return bkv * group + Member(i); }
+};
 
 // This CTA's (tile, batch*head). Tiles vary fastest; `reverse` issues the last tile first.
 __device__ __forceinline__ void BlockCoords(int n_tiles, bool reverse, int* tile, int64_t* bh) {

@@ -96,7 +96,8 @@ struct FwdBf16Cfg {
 template <int D>
 using FwdBf16 = FwdBf16Cfg<D, 2, D == 64 ? 64 : 32, D == 64>;
 
-template <typename C>
+// kGqa: grouped-query attention (k, v of g.kv_heads heads; attention.cu has the outline).
+template <typename C, bool kGqa>
 __global__ void __launch_bounds__(kThreads)
 AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                        const bf16* __restrict__ v, bf16* __restrict__ out,
@@ -114,15 +115,15 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * BM;
   const int wrow = warp * 16 * MT;  // this warp's first row in the block
-  const int64_t stride = int64_t(g.heads) * D;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
   const bf16* qh = q + HeadOffset<D>(bh, g.tq, g.heads);
-  const bf16* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
-  const bf16* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
+  const bf16* kh = k + KvHeadOffset<D, kGqa>(bh, g);
+  const bf16* vh = v + KvHeadOffset<D, kGqa>(bh, g);
   const int n_kt = KeyTiles(g, q0, BM, BN);
 
   LoadTile<BM, D, true>(sQ, qh, stride, q0, g.tq);
-  LoadTile<BN, D, true>(sK, kh, stride, 0, g.tk);
-  LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
+  LoadTile<BN, D, true>(sK, kh, kv_stride, 0, g.tk);
+  LoadTile<BN, D, true>(sV, vh, kv_stride, 0, g.tk);
   CopyAsyncCommit();
 
   uint32_t qf[C::kQRegs ? MT : 1][C::kQRegs ? D / 16 : 1][4];
@@ -140,8 +141,8 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     __syncthreads();  // tile j is in; every warp is done with tile j - 1's buffer
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
-      LoadTile<BN, D, true>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
-      LoadTile<BN, D, true>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, true>(sK + nb * BN * D, kh, kv_stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, true>(sV + nb * BN * D, vh, kv_stride, (j + 1) * BN, g.tk);
     }
     CopyAsyncCommit();
     if constexpr (C::kQRegs) {
@@ -268,7 +269,9 @@ AttentionFwdBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 // ---------------------------------------------------------------------------------------------
 // bfloat16 backward, dK and dV: one CTA per 64 keys of one (batch, head), looping over query
 // tiles. A warp owns 16 keys, so P^T and dS^T (keys x queries) stay in its registers and feed
-// the dV and dK products directly.
+// the dV and dK products directly. Grouped-query attention (kGqa): one CTA per 64 keys of one
+// (batch, key/value head), looping over the query tiles of each of its group's query heads in
+// turn (QuerySteps), so dK and dV sum the group in its registers.
 
 template <int D>
 struct BwdKvBf16 {
@@ -283,7 +286,7 @@ struct BwdKvBf16 {
                                4 * kBM * int(sizeof(float));                   // 2 x (lse, delta)
 };
 
-template <int D>
+template <int D, bool kGqa>
 __global__ void __launch_bounds__(kThreads)
 AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                          const bf16* __restrict__ v, const bf16* __restrict__ dout,
@@ -305,17 +308,22 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   int64_t bh;
   BlockCoords(n_kt, false, &kt, &bh);  // causal: key tile 0 has the most work, so it goes first
   const int k0 = kt * BN;
-  const int64_t stride = int64_t(g.heads) * D;
-  const bf16* qh = q + HeadOffset<D>(bh, g.tq, g.heads);
-  const bf16* doh = dout + HeadOffset<D>(bh, g.tq, g.heads);
-  const float* lh = lse + bh * g.tq;
-  const float* dlh = delta + bh * g.tq;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
+  // The (batch, query head) whose tiles load next: bh's own, or (kGqa, bh being a key/value
+  // head) its group's first, then the next one once the loop is through its tiles.
+  int64_t bq = kGqa ? bh * g.group : bh;
+  const bf16* qh = q + HeadOffset<D>(bq, g.tq, g.heads);
+  const bf16* doh = dout + HeadOffset<D>(bq, g.tq, g.heads);
+  const float* lh = lse + bq * g.tq;
+  const float* dlh = delta + bq * g.tq;
   const int n_qt = (g.tq + BM - 1) / BM;
   const int first = g.causal ? k0 / BM : 0;  // earlier queries see none of these keys
+  const QuerySteps steps(bh, first, n_qt, g);
+  const int last = kGqa ? steps.Last() : n_qt;
   const int key_a = k0 + warp * 16 + gr;     // the key of accumulator entries 0, 1 (+8: 2, 3)
 
-  LoadTile<BN, D, true>(sK, k + HeadOffset<D>(bh, g.tk, g.heads), stride, k0, g.tk);
-  LoadTile<BN, D, true>(sV, v + HeadOffset<D>(bh, g.tk, g.heads), stride, k0, g.tk);
+  LoadTile<BN, D, true>(sK, k + HeadOffset<D>(bh, g.tk, KvHeads<kGqa>(g)), kv_stride, k0, g.tk);
+  LoadTile<BN, D, true>(sV, v + HeadOffset<D>(bh, g.tk, KvHeads<kGqa>(g)), kv_stride, k0, g.tk);
   LoadTile<BM, D, true>(sQ, qh, stride, first * BM, g.tq);
   LoadTile<BM, D, true>(sdO, doh, stride, first * BM, g.tq);
   LoadStats<BM>(sL, lh, first * BM, g.tq);
@@ -324,7 +332,7 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
   float dk_acc[D / 8][4] = {}, dv_acc[D / 8][4] = {};
   uint32_t kf[C::kKvRegs ? D / 16 : 1][4], vf[C::kKvRegs ? D / 16 : 1][4];
-  for (int i = first; i < n_qt; ++i) {
+  for (int i = first; i < last; ++i) {
     CopyAsyncWaitAll();
     __syncthreads();
     if constexpr (C::kKvRegs) {
@@ -337,15 +345,24 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
         }
       }
     }
-    if (i + 1 < n_qt) {
-      const int nb = (i + 1 - first) & 1, r0 = (i + 1) * BM;
+    if (i + 1 < last) {
+      const int nb = (i + 1 - first) & 1, r0 = (kGqa ? steps.Tile(i + 1) : i + 1) * BM;
+      if constexpr (kGqa) {
+        if (steps.Head(i + 1) != bq) {  // on to the group's next query head
+          bq = steps.Head(i + 1);
+          qh = q + HeadOffset<D>(bq, g.tq, g.heads);
+          doh = dout + HeadOffset<D>(bq, g.tq, g.heads);
+          lh = lse + bq * g.tq;
+          dlh = delta + bq * g.tq;
+        }
+      }
       LoadTile<BM, D, true>(sQ + nb * BM * D, qh, stride, r0, g.tq);
       LoadTile<BM, D, true>(sdO + nb * BM * D, doh, stride, r0, g.tq);
       LoadStats<BM>(sL + nb * BM, lh, r0, g.tq);
       LoadStats<BM>(sDl + nb * BM, dlh, r0, g.tq);
     }
     CopyAsyncCommit();
-    const int buf = (i - first) & 1, q0 = i * BM;
+    const int buf = (i - first) & 1, q0 = (kGqa ? steps.Tile(i) : i) * BM;
     const bf16* cQ = sQ + buf * BM * D;
     const bf16* cdO = sdO + buf * BM * D;
     const float* cL = sL + buf * BM;
@@ -393,12 +410,13 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     }
   }
   __syncwarp();
-  const int64_t grad_off = GradOffset<D>(bh, g.tk, g);
+  const int64_t grad_off = KvGradOffset<D, kGqa>(bh, g);
+  const int64_t grad_stride = KvGradStride<D, kGqa>(g);
 #pragma unroll
   for (int i = 0; i < 16 * KC / 32; ++i) {
     const int c = lane + 32 * i, row = warp * 16 + c / KC, ch = c % KC;
     if (k0 + row < g.tk) {
-      const int64_t at = grad_off + int64_t(k0 + row) * g.grad_stride + ch * 8;
+      const int64_t at = grad_off + int64_t(k0 + row) * grad_stride + ch * 8;
       *reinterpret_cast<uint4*>(dk + at) = *reinterpret_cast<const uint4*>(sK + Swz<KC>(row, ch));
       *reinterpret_cast<uint4*>(dv + at) = *reinterpret_cast<const uint4*>(sV + Swz<KC>(row, ch));
     }
@@ -408,7 +426,7 @@ AttentionBwdKvBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
 // ---------------------------------------------------------------------------------------------
 // bfloat16 backward, dQ: one CTA per 64 * kMT query rows, looping over key tiles; a warp owns
 // kMT m-tiles of 16 rows, so each K or V fragment read from shared memory feeds kMT mmas (as
-// in the forward).
+// in the forward). kGqa: the key tiles of the query head's key/value head.
 
 template <int D, int MT, int BN>
 struct BwdQBf16Cfg {
@@ -421,7 +439,7 @@ struct BwdQBf16Cfg {
 template <int D>
 using BwdQBf16 = BwdQBf16Cfg<D, 2, 32>;
 
-template <typename C>
+template <typename C, bool kGqa>
 __global__ void __launch_bounds__(kThreads)
 AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                         const bf16* __restrict__ v, const bf16* __restrict__ dout,
@@ -441,16 +459,16 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * BM;
   const int wrow = warp * 16 * MT;  // this warp's first row in the block
-  const int64_t stride = int64_t(g.heads) * D;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
   const int64_t q_off = HeadOffset<D>(bh, g.tq, g.heads);
-  const bf16* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
-  const bf16* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
+  const bf16* kh = k + KvHeadOffset<D, kGqa>(bh, g);
+  const bf16* vh = v + KvHeadOffset<D, kGqa>(bh, g);
   const int n_kt = KeyTiles(g, q0, BM, BN);
 
   LoadTile<BM, D, true>(sQ, q + q_off, stride, q0, g.tq);
   LoadTile<BM, D, true>(sdO, dout + q_off, stride, q0, g.tq);
-  LoadTile<BN, D, true>(sK, kh, stride, 0, g.tk);
-  LoadTile<BN, D, true>(sV, vh, stride, 0, g.tk);
+  LoadTile<BN, D, true>(sK, kh, kv_stride, 0, g.tk);
+  LoadTile<BN, D, true>(sV, vh, kv_stride, 0, g.tk);
   CopyAsyncCommit();
 
   // Per-row statistics of rows wrow + 16 mt + gr (+ 8); rows past Tq are masked below.
@@ -471,8 +489,8 @@ AttentionBwdQBf16Kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
-      LoadTile<BN, D, true>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
-      LoadTile<BN, D, true>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, true>(sK + nb * BN * D, kh, kv_stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, true>(sV + nb * BN * D, vh, kv_stride, (j + 1) * BN, g.tk);
     }
     CopyAsyncCommit();
     const bf16* cK = sK + (j & 1) * BN * D;

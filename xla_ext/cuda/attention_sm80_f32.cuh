@@ -14,6 +14,9 @@ namespace {
 // the 16 columns 4c + (D/4)u + e (u, e < 4), read as float4. The rows a CTA keeps (queries,
 // or keys in dK/dV) live in registers; the other side streams through shared memory in
 // double-buffered tiles of 16 rows, read by all threads of a row at once (broadcast).
+// kGqa: grouped-query attention, as in the bfloat16 kernels (attention_sm80_bf16.cuh): the
+// forward and dQ read the key/value head of their query head, and a dK/dV CTA holds keys of
+// one key/value head and streams the query tiles of its group's query heads one after another.
 
 template <int D>
 struct F32Tile {
@@ -74,7 +77,7 @@ __device__ __forceinline__ float DotRow(const float (&x)[16], const float* row, 
   return s;
 }
 
-template <int D>
+template <int D, bool kGqa>
 __global__ void __launch_bounds__(kThreads)
 AttentionFwdF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, float* __restrict__ out,
@@ -90,14 +93,14 @@ AttentionFwdF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * RB, row = q0 + threadIdx.x / C::kLanes, c = threadIdx.x % C::kLanes;
   const bool valid = row < g.tq;
-  const int64_t stride = int64_t(g.heads) * D;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
   const int64_t q_off = HeadOffset<D>(bh, g.tq, g.heads) + int64_t(row) * stride;
-  const float* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
-  const float* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
+  const float* kh = k + KvHeadOffset<D, kGqa>(bh, g);
+  const float* vh = v + KvHeadOffset<D, kGqa>(bh, g);
   const int n_kt = KeyTiles(g, q0, RB, BN);
 
-  LoadTile<BN, D, false>(sK, kh, stride, 0, g.tk);
-  LoadTile<BN, D, false>(sV, vh, stride, 0, g.tk);
+  LoadTile<BN, D, false>(sK, kh, kv_stride, 0, g.tk);
+  LoadTile<BN, D, false>(sV, vh, kv_stride, 0, g.tk);
   CopyAsyncCommit();
   float qr[16], o[16] = {};
   LoadRow<D>(qr, q + q_off, c, valid);
@@ -108,8 +111,8 @@ AttentionFwdF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
-      LoadTile<BN, D, false>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
-      LoadTile<BN, D, false>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, false>(sK + nb * BN * D, kh, kv_stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, false>(sV + nb * BN * D, vh, kv_stride, (j + 1) * BN, g.tk);
     }
     CopyAsyncCommit();
     const float* cK = sK + (j & 1) * BN * D;
@@ -144,7 +147,7 @@ AttentionFwdF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
   }
 }
 
-template <int D>
+template <int D, bool kGqa>
 __global__ void __launch_bounds__(kThreads)
 AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
                         const float* __restrict__ v, const float* __restrict__ dout,
@@ -163,14 +166,19 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
   BlockCoords(n_kt, false, &kt, &bh);
   const int k0 = kt * RB, key = k0 + threadIdx.x / C::kLanes, c = threadIdx.x % C::kLanes;
   const bool valid = key < g.tk;
-  const int64_t stride = int64_t(g.heads) * D;
-  const int64_t kv_off = HeadOffset<D>(bh, g.tk, g.heads) + int64_t(key) * stride;
-  const float* qh = q + HeadOffset<D>(bh, g.tq, g.heads);
-  const float* doh = dout + HeadOffset<D>(bh, g.tq, g.heads);
-  const float* lh = lse + bh * g.tq;
-  const float* dlh = delta + bh * g.tq;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
+  const int64_t kv_off = HeadOffset<D>(bh, g.tk, KvHeads<kGqa>(g)) + int64_t(key) * kv_stride;
+  // The (batch, query head) whose tiles load next: bh's own, or (kGqa, bh being a key/value
+  // head) its group's first, then the next one once the loop is through its tiles.
+  int64_t bq = kGqa ? bh * g.group : bh;
+  const float* qh = q + HeadOffset<D>(bq, g.tq, g.heads);
+  const float* doh = dout + HeadOffset<D>(bq, g.tq, g.heads);
+  const float* lh = lse + bq * g.tq;
+  const float* dlh = delta + bq * g.tq;
   const int n_qt = (g.tq + BQ - 1) / BQ;
   const int first = g.causal ? k0 / BQ : 0;
+  const QuerySteps steps(bh, first, n_qt, g);
+  const int last = kGqa ? steps.Last() : n_qt;
 
   LoadTile<BQ, D, false>(sQ, qh, stride, first * BQ, g.tq);
   LoadTile<BQ, D, false>(sdO, doh, stride, first * BQ, g.tq);
@@ -181,18 +189,27 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
   LoadRow<D>(kr, k + kv_off, c, valid);
   LoadRow<D>(vr, v + kv_off, c, valid);
 
-  for (int i = first; i < n_qt; ++i) {
+  for (int i = first; i < last; ++i) {
     CopyAsyncWaitAll();
     __syncthreads();
-    if (i + 1 < n_qt) {
-      const int nb = (i + 1 - first) & 1, r0 = (i + 1) * BQ;
+    if (i + 1 < last) {
+      const int nb = (i + 1 - first) & 1, r0 = (kGqa ? steps.Tile(i + 1) : i + 1) * BQ;
+      if constexpr (kGqa) {
+        if (steps.Head(i + 1) != bq) {  // on to the group's next query head
+          bq = steps.Head(i + 1);
+          qh = q + HeadOffset<D>(bq, g.tq, g.heads);
+          doh = dout + HeadOffset<D>(bq, g.tq, g.heads);
+          lh = lse + bq * g.tq;
+          dlh = delta + bq * g.tq;
+        }
+      }
       LoadTile<BQ, D, false>(sQ + nb * BQ * D, qh, stride, r0, g.tq);
       LoadTile<BQ, D, false>(sdO + nb * BQ * D, doh, stride, r0, g.tq);
       LoadStats<BQ>(sL + nb * BQ, lh, r0, g.tq);
       LoadStats<BQ>(sDl + nb * BQ, dlh, r0, g.tq);
     }
     CopyAsyncCommit();
-    const int buf = (i - first) & 1, q0 = i * BQ;
+    const int buf = (i - first) & 1, q0 = (kGqa ? steps.Tile(i) : i) * BQ;
     const float* cQ = sQ + buf * BQ * D;
     const float* cdO = sdO + buf * BQ * D;
     const float* cL = sL + buf * BQ;
@@ -210,7 +227,7 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
     }
   }
   if (valid) {
-    const int64_t grad_off = GradOffset<D>(bh, g.tk, g) + int64_t(key) * g.grad_stride;
+    const int64_t grad_off = KvGradOffset<D, kGqa>(bh, g) + int64_t(key) * KvGradStride<D, kGqa>(g);
     StoreRow<D>(dk + grad_off, dk_acc, c, g.scale);
     StoreRow<D>(dv + grad_off, dv_acc, c, 1.f);
   }
@@ -218,7 +235,7 @@ AttentionBwdKvF32Kernel(const float* __restrict__ q, const float* __restrict__ k
 
 // Four CTAs a multiprocessor, as its ~100 registers allow anyway: without the hint ptxas
 // squeezes it into 96 and spills.
-template <int D>
+template <int D, bool kGqa>
 __global__ void __launch_bounds__(kThreads, 4)
 AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
                        const float* __restrict__ v, const float* __restrict__ dout,
@@ -235,15 +252,15 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
   BlockCoords(n_qt, g.causal, &qt, &bh);
   const int q0 = qt * RB, row = q0 + threadIdx.x / C::kLanes, c = threadIdx.x % C::kLanes;
   const bool valid = row < g.tq;
-  const int64_t stride = int64_t(g.heads) * D;
+  const int64_t stride = int64_t(g.heads) * D, kv_stride = int64_t(KvHeads<kGqa>(g)) * D;
   const int64_t q_off = HeadOffset<D>(bh, g.tq, g.heads) + int64_t(row) * stride;
   float* const dq_row = dq + GradOffset<D>(bh, g.tq, g) + int64_t(row) * g.grad_stride;
-  const float* kh = k + HeadOffset<D>(bh, g.tk, g.heads);
-  const float* vh = v + HeadOffset<D>(bh, g.tk, g.heads);
+  const float* kh = k + KvHeadOffset<D, kGqa>(bh, g);
+  const float* vh = v + KvHeadOffset<D, kGqa>(bh, g);
   const int n_kt = KeyTiles(g, q0, RB, BN);
 
-  LoadTile<BN, D, false>(sK, kh, stride, 0, g.tk);
-  LoadTile<BN, D, false>(sV, vh, stride, 0, g.tk);
+  LoadTile<BN, D, false>(sK, kh, kv_stride, 0, g.tk);
+  LoadTile<BN, D, false>(sV, vh, kv_stride, 0, g.tk);
   CopyAsyncCommit();
   float qr[16], dor[16], dq_acc[16] = {};
   LoadRow<D>(qr, q + q_off, c, valid);
@@ -256,8 +273,8 @@ AttentionBwdQF32Kernel(const float* __restrict__ q, const float* __restrict__ k,
     __syncthreads();
     if (j + 1 < n_kt) {
       const int nb = (j + 1) & 1;
-      LoadTile<BN, D, false>(sK + nb * BN * D, kh, stride, (j + 1) * BN, g.tk);
-      LoadTile<BN, D, false>(sV + nb * BN * D, vh, stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, false>(sK + nb * BN * D, kh, kv_stride, (j + 1) * BN, g.tk);
+      LoadTile<BN, D, false>(sV + nb * BN * D, vh, kv_stride, (j + 1) * BN, g.tk);
     }
     CopyAsyncCommit();
     const float* cK = sK + (j & 1) * BN * D;

@@ -25,6 +25,12 @@
 // Causal: a warpgroup lets pass the tiles in which none of its (query, key) pairs survive the
 // mask (a query tile before all its keys, a key tile after all its rows), still waiting for
 // each and releasing it so that the buffers' mbarriers count its arrival.
+// Grouped-query attention (kGqa): a dK/dV CTA holds 128 keys of one (batch, key/value head),
+// and its producer streams the query tiles of the group's G query heads one head after the
+// other through the same buffers (QuerySteps, attention_common.cuh), so the consumers sum dK
+// and dV over the group in their accumulators and write them once: no copies per query head,
+// and deterministic as the multi-head kernel. With dQ sums, each head's tiles go to its own
+// rows of the workspace. The dQ kernel only reads K and V of its query head's key/value head.
 // dQ in the dK/dV kernel: per query tile each consumer warpgroup also stores its dS^T
 // transposed (stmatrix .trans) as its 64-key half of dS [64 queries][128 keys] in shared
 // memory. The warpgroups take turns to finish the tile's dQ share, dS K over all 128 keys:
@@ -198,7 +204,7 @@ using BwdKvSm90 = BwdKvSm90Cfg<D, 64, 2>;
 template <int D>
 using BwdKvDqSm90 = BwdKvSm90Cfg<D, 64, 2, true>;
 
-template <typename C>
+template <typename C, bool kGqa>
 __global__ void __launch_bounds__(C::kThreads, 1)
 AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* __restrict__ lse,
                          const float* __restrict__ delta, bf16* __restrict__ dk,
@@ -225,9 +231,13 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   int kt;
   int64_t bh;
   BlockCoords(n_kt, false, &kt, &bh);  // causal: key tile 0 has the most work, so it goes first
-  const int k0 = kt * BN, b = static_cast<int>(bh / g.heads), h = static_cast<int>(bh % g.heads);
+  // bh is (batch, key/value head) and h the key/value head (kGqa: one of KV, else of H).
+  const int k0 = kt * BN, b = static_cast<int>(bh / KvHeads<kGqa>(g));
+  const int h = static_cast<int>(bh % KvHeads<kGqa>(g));
   const int n_qt = (g.tq + BM - 1) / BM;
   const int first = g.causal ? k0 / BM : 0;  // earlier queries see none of these keys
+  const QuerySteps steps(bh, first, n_qt, g);
+  const int last = kGqa ? steps.Last() : n_qt;  // n_qt - first query tiles per query head
   constexpr int kConsumerWarps = C::kConsumers / 32;
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
@@ -243,27 +253,34 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   if (wg == C::kWarpgroups) {
     SetMaxRegs<C::kProducerRegs>();
-    // Query tile i goes to buffer (i - first) % S once tile i - S has left it.
+    // Query step i (tile i, multi-head) goes to buffer (i - first) % S once step i - S has
+    // left it.
     if (warp == 0 && lane == 0) {
       MbarExpectBytes(kv_full, 2 * BN * D * int(sizeof(bf16)));
       TmaTile<D>(sK, BN, &maps.k, h, k0, b, kv_full);
       TmaTile<D>(sV, BN, &maps.v, h, k0, b, kv_full);
-      for (int i = first; i < n_qt; ++i) {
+      for (int i = first; i < last; ++i) {
         const int buf = (i - first) % S, use = (i - first) / S;
+        const int hq = kGqa ? h * g.group + steps.Member(i) : h;  // the tile's query head
+        const int q0 = (kGqa ? steps.Tile(i) : i) * BM;
         if (use > 0) MbarWait(empty + buf, (use - 1) & 1);
         MbarExpectBytes(full + buf, 2 * kTileBytes);
-        TmaTile<D>(sQ + buf * BM * D, BM, &maps.q, h, i * BM, b, full + buf);
-        TmaTile<D>(sdO + buf * BM * D, BM, &maps.dout, h, i * BM, b, full + buf);
+        TmaTile<D>(sQ + buf * BM * D, BM, &maps.q, hq, q0, b, full + buf);
+        TmaTile<D>(sdO + buf * BM * D, BM, &maps.dout, hq, q0, b, full + buf);
       }
     } else if (warp == 1) {
       // Queries past Tq get lse = +inf, so their P and dS are exactly 0.
-      const float* lh = lse + bh * g.tq;
-      const float* dlh = delta + bh * g.tq;
-      for (int i = first; i < n_qt; ++i) {
+      const float* lh = lse + (kGqa ? steps.Head(first) : bh) * g.tq;
+      const float* dlh = delta + (kGqa ? steps.Head(first) : bh) * g.tq;
+      for (int i = first; i < last; ++i) {
         const int buf = (i - first) % S, use = (i - first) / S;
+        if constexpr (kGqa) {
+          lh = lse + steps.Head(i) * g.tq;
+          dlh = delta + steps.Head(i) * g.tq;
+        }
         if (use > 0) MbarWait(empty + buf, (use - 1) & 1);
         for (int r = lane; r < BM; r += 32) {
-          const int query = i * BM + r;
+          const int query = (kGqa ? steps.Tile(i) : i) * BM + r;
           const bool valid = query < g.tq;
           sL[buf * BM + r] = valid ? lh[query] * kLog2e : INFINITY;
           sDl[buf * BM + r] = valid ? dlh[query] : 0.f;
@@ -273,16 +290,18 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
     } else if (kDq && warp == 2) {
       // The dQ tiles the consumers stage, each added into dq_sum by one bulk reduction, so
       // the consumers never wait on the sums (DqTileFull and DqTileEmpty are the barriers).
-      float* dq_bh = dq_sum + bh * n_qt * BM * D;
-      for (int i = first; i < n_qt; ++i) {
+      float* dq_bh = dq_sum + (kGqa ? steps.Head(first) : bh) * n_qt * BM * D;
+      for (int i = first; i < last; ++i) {
         const int t = i - first, buf = t % 2;
+        if constexpr (kGqa) dq_bh = dq_sum + steps.Head(i) * n_qt * BM * D;
         DqTileFull(buf, false);
         if (lane == 0) {
-          BulkReduceAdd(dq_bh + int64_t(i) * BM * D, sdQ + buf * BM * D, BM * D * 4);
+          BulkReduceAdd(dq_bh + int64_t(kGqa ? steps.Tile(i) : i) * BM * D, sdQ + buf * BM * D,
+                        BM * D * 4);
           BulkWaitRead();
         }
         __syncwarp();
-        if (i + 2 < n_qt) DqTileEmpty(buf, true);
+        if (i + 2 < last) DqTileEmpty(buf, true);
       }
       if (lane == 0) BulkWaitAll();
     }
@@ -303,88 +322,95 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   // pass, waiting for each so that its arrival counts for that tile.
   // (With dQ sums both warpgroups run every tile: they meet at a barrier per tile.)
   const int mine = g.causal && !kDq ? min((k0 + wg * 64) / BM, n_qt) : first;
-  for (int i = first; i < mine; ++i) {
-    const int buf = (i - first) % S;
-    MbarWait(full + buf, ((i - first) / S) & 1);
-    release(empty + buf);
-  }
-  MbarWait(kv_full, 0);
-  for (int i = mine; i < n_qt; ++i) {
-    const int buf = (i - first) % S, q0 = i * BM;
-    const bf16* cQ = sQ + buf * BM * D;
-    const bf16* cdO = sdO + buf * BM * D;
-    const float* cL = sL + buf * BM;
-    const float* cDl = sDl + buf * BM;
-    MbarWait(full + buf, ((i - first) / S) & 1);
-    WgmmaFence();
-    IssueRowsByRows<BM, D, BN>(st, sKw, cQ);    // S^T = K Q^T
-    IssueRowsByRows<BM, D, BN>(dpt, sVw, cdO);  // dP^T = V dO^T
-    WgmmaWait<1>();
-    FenceRegs(st);
-    // P^T = exp(scale S^T - lse of each column's query); above the diagonal 0.
-    const bool mask = g.causal && k0 + wg * 64 + 63 > q0;  // uniform in the warpgroup
-#pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * t4 + (e & 1);
-        float p = exp2f(fmaf(st[n][e], g.scale_log2, -cL[col]));
-        if (mask && key_a + (e >> 1) * 8 > q0 + col) p = 0.f;
-        st[n][e] = p;
-      }
+  // Grouped-query attention: the same for each of the group's query heads in turn, its steps
+  // (QuerySteps) numbered on from the steps of the heads before it.
+  for (int j = 0; j < (kGqa ? g.group : 1); ++j) {
+    const int base = j * (n_qt - first) - first;  // step i is base + i (multi-head: i - first)
+    for (int i = first; i < mine; ++i) {
+      const int step = kGqa ? base + i : i - first;
+      const int buf = step % S;
+      MbarWait(full + buf, (step / S) & 1);
+      release(empty + buf);
     }
+    if (j == 0) MbarWait(kv_full, 0);
+    for (int i = mine; i < n_qt; ++i) {
+      const int step = kGqa ? base + i : i - first;
+      const int buf = step % S, q0 = i * BM;
+      const bf16* cQ = sQ + buf * BM * D;
+      const bf16* cdO = sdO + buf * BM * D;
+      const float* cL = sL + buf * BM;
+      const float* cDl = sDl + buf * BM;
+      MbarWait(full + buf, (step / S) & 1);
+      WgmmaFence();
+      IssueRowsByRows<BM, D, BN>(st, sKw, cQ);    // S^T = K Q^T
+      IssueRowsByRows<BM, D, BN>(dpt, sVw, cdO);  // dP^T = V dO^T
+      WgmmaWait<1>();
+      FenceRegs(st);
+      // P^T = exp(scale S^T - lse of each column's query); above the diagonal 0.
+      const bool mask = g.causal && k0 + wg * 64 + 63 > q0;  // uniform in the warpgroup
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(pt[kk], st, kk);
-    WgmmaFence();
-    IssueAccumulate<BM, D>(dv_acc, pt, cdO);  // dV += P^T dO
-    WgmmaWait<1>();
-    FenceRegs(dpt);
-    // dS^T = P^T (dP^T - delta), while dV's product runs.
+      for (int n = 0; n < BM / 8; ++n) {
 #pragma unroll
-    for (int n = 0; n < BM / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dpt[n][e] = st[n][e] * (dpt[n][e] - cDl[n * 8 + 2 * t4 + (e & 1)]);
-    }
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(dst[kk], dpt, kk);
-    WgmmaFence();
-    IssueAccumulate<BM, D>(dk_acc, dst, cQ);  // dK += dS^T Q (scaled at the end)
-    if constexpr (kDq) {
-      // dS (queries x keys) into shared memory, this warpgroup's 64 keys as one swizzled
-      // 64-column half. Tile t's owner (t % 2) waits for the other half, computes dQ's tile
-      // share, dS K over the CTA's 128 keys, 64 columns at a time in S^T's registers, and
-      // stages it in its buffer; the other goes on (its dS buffer is next written in tile
-      // t + 2, after it has waited as owner of t + 1 for the owner of t to be done).
-      const int t = i - mine, dbuf = t % 2;
-      bf16* cdS = sdS + dbuf * BM * BN;
-      StoreDsTransposed(cdS + wg * BM * 64, dst, warp, lane);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      if (wg == dbuf) {
-        DsHalvesIn(dbuf, false);
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          WgmmaFence();
-          IssueDsK(st, cdS, sK + c * BN * 64);
-          WgmmaWait<0>();
-          FenceRegs(st);
-          if (c == 0 && t >= 2) DqTileEmpty(dbuf, false);
-          StoreDqChunk<D>(sdQ + dbuf * BM * D, st, c, warp, lane);
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * t4 + (e & 1);
+          float p = exp2f(fmaf(st[n][e], g.scale_log2, -cL[col]));
+          if (mask && key_a + (e >> 1) * 8 > q0 + col) p = 0.f;
+          st[n][e] = p;
         }
+      }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(pt[kk], st, kk);
+      WgmmaFence();
+      IssueAccumulate<BM, D>(dv_acc, pt, cdO);  // dV += P^T dO
+      WgmmaWait<1>();
+      FenceRegs(dpt);
+      // dS^T = P^T (dP^T - delta), while dV's product runs.
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dpt[n][e] = st[n][e] * (dpt[n][e] - cDl[n * 8 + 2 * t4 + (e & 1)]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) AccToOperand(dst[kk], dpt, kk);
+      WgmmaFence();
+      IssueAccumulate<BM, D>(dk_acc, dst, cQ);  // dK += dS^T Q (scaled at the end)
+      if constexpr (kDq) {
+        // dS (queries x keys) into shared memory, this warpgroup's 64 keys as one swizzled
+        // 64-column half. Tile t's owner (t % 2) waits for the other half, computes dQ's tile
+        // share, dS K over the CTA's 128 keys, 64 columns at a time in S^T's registers, and
+        // stages it in its buffer; the other goes on (its dS buffer is next written in tile
+        // t + 2, after it has waited as owner of t + 1 for the owner of t to be done).
+        const int t = kGqa ? base + i : i - mine, dbuf = t % 2;  // (mine == first here)
+        bf16* cdS = sdS + dbuf * BM * BN;
+        StoreDsTransposed(cdS + wg * BM * 64, dst, warp, lane);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        DqTileFull(dbuf, true);
+        if (wg == dbuf) {
+          DsHalvesIn(dbuf, false);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            WgmmaFence();
+            IssueDsK(st, cdS, sK + c * BN * 64);
+            WgmmaWait<0>();
+            FenceRegs(st);
+            if (c == 0 && t >= 2) DqTileEmpty(dbuf, false);
+            StoreDqChunk<D>(sdQ + dbuf * BM * D, st, c, warp, lane);
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+          DqTileFull(dbuf, true);
+        } else {
+          DsHalvesIn(dbuf, true);
+          WgmmaWait<0>();
+        }
       } else {
-        DsHalvesIn(dbuf, true);
         WgmmaWait<0>();
       }
-    } else {
-      WgmmaWait<0>();
+      FenceRegs(dv_acc);
+      FenceRegs(dk_acc);
+      FenceRegs(pt);
+      FenceRegs(dst);
+      release(empty + buf);
     }
-    FenceRegs(dv_acc);
-    FenceRegs(dk_acc);
-    FenceRegs(pt);
-    FenceRegs(dst);
-    release(empty + buf);
   }
   // The owner of the last tile's dQ product may still read sK, which is staged into below.
   if constexpr (kDq) NamedBarrier(1, C::kConsumers, false);
@@ -396,9 +422,10 @@ AttentionBwdKvSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* 
   StageRows<BN, D>(sK, dk_acc, wrow, scale, lane);
   StageRows<BN, D>(sV, dv_acc, wrow, one, lane);
   __syncwarp();
-  const int64_t grad_off = GradOffset<D>(bh, g.tk, g);
-  StoreRows<BN, D>(dk + grad_off, sK, wrow, k0, g.tk, g.grad_stride, lane);
-  StoreRows<BN, D>(dv + grad_off, sV, wrow, k0, g.tk, g.grad_stride, lane);
+  const int64_t grad_off = KvGradOffset<D, kGqa>(bh, g);
+  const int64_t grad_stride = KvGradStride<D, kGqa>(g);
+  StoreRows<BN, D>(dk + grad_off, sK, wrow, k0, g.tk, grad_stride, lane);
+  StoreRows<BN, D>(dv + grad_off, sV, wrow, k0, g.tk, grad_stride, lane);
 #endif  // BLUJAX_WGMMA
 }
 
@@ -420,7 +447,7 @@ struct BwdQSm90Cfg {
 template <int D>
 using BwdQSm90 = BwdQSm90Cfg<D, 2, 64, 3>;
 
-template <typename C>
+template <typename C, bool kGqa>
 __global__ void __launch_bounds__(C::kThreads, 1)
 AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* __restrict__ lse,
                         const float* __restrict__ delta, bf16* __restrict__ dq, Geometry g,
@@ -451,7 +478,7 @@ AttentionBwdQSm90Kernel(const __grid_constant__ BwdSm90Maps maps, const float* _
       MbarExpectBytes(pipe.q_full, 2 * BM * D * int(sizeof(bf16)));
       TmaTile<D>(sQ, BM, &maps.q, h, q0, b, pipe.q_full);
       TmaTile<D>(sdO, BM, &maps.dout, h, q0, b, pipe.q_full);
-      pipe.template Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt);
+      pipe.template Stream<D, BN>(sK, sV, &maps.k, &maps.v, kGqa ? h / g.group : h, b, n_kt);
     }
     return;
   }

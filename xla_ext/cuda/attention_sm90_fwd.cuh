@@ -29,6 +29,8 @@
 // (a last block only partly inside the sequence, a causal middle block without a partner), the
 // next one not yet taken, from a counter in global memory, so that no CTA is left with more
 // than its share.
+// Grouped-query attention (kGqa) changes only what the producer copies: a block's K and V
+// tiles are those of its query head's key/value head (the maps of k and v have KV heads).
 
 #pragma once
 
@@ -218,7 +220,7 @@ __device__ __forceinline__ int UnitBlocks(const Geometry& g, int n_qt, int u, in
 // gridDim.x CTAs take the n_units units: with kCounted, a CTA's first is blockIdx.x and each
 // later one gridDim.x + the count it reads from *unit_counter (zero at launch) as it adds 1;
 // otherwise u, u + gridDim.x, ....
-template <typename C, bool kCounted>
+template <typename C, bool kCounted, bool kGqa>
 __global__ void __launch_bounds__(C::kThreads, 1)
 AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, float* __restrict__ lse,
                        Geometry g, int n_units, int n_qt, int lead,
@@ -270,7 +272,7 @@ AttentionFwdSm90Kernel(const __grid_constant__ FwdSm90Maps maps, float* __restri
           block_of[2 * qb] = bh;
           block_of[2 * qb + 1] = q0;
           LoadQ<C>(sQ + qb * BM * D, &maps.q, h, q0, b, q_full(qb));
-          pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, h, b, n_kt, first);
+          pipe.Stream<D, BN>(sK, sV, &maps.k, &maps.v, kGqa ? h / g.group : h, b, n_kt, first);
           first += n_kt;
         }
         u = kCounted ? static_cast<int>(gridDim.x) + atomicAdd(unit_counter, 1)

@@ -1,0 +1,74 @@
+// The RMSNorm handler contract, shared by xla_ext/cpu/rms_norm.cc and xla_ext/cuda/rms_norm.cu.
+//
+// blujax_rms_norm_fwd      (x, weight)                      -> (y, rstd)
+// blujax_add_rms_norm_fwd  (x, residual, weight)            -> (y, sum, rstd)
+// blujax_rms_norm_bwd      (dy, x, weight, rstd)            -> (dx, dweight, workspace)
+// blujax_add_rms_norm_bwd  (dy, dsum, sum, weight, rstd)    -> (dx, dweight, workspace)
+//
+// x is [..., C] and normalised over its last axis: y = x * rstd * weight with
+// rstd = 1 / sqrt(mean(x^2) + eps), no mean subtracted and no bias (Llama). weight holds C
+// elements of x's dtype (leading size-1 axes allowed, which is what vmap's "expand_dims"
+// produces); rstd holds one value per row, float32 (float64 for float64 x). eps is a float64
+// attribute: exact for float64 x, rounded to float32 for float32 and bfloat16 (as the jnp spec
+// rounds it). The add variant normalises sum = x + residual (rounded to x's dtype, as
+// add_layer_norm's sum) and returns sum too; its backward adds dsum, the cotangent of sum, into
+// dx, which is then the gradient of both x and residual. workspace is float32 [P, C]: the CUDA
+// backward writes a partial dweight row per block there before a small reduction over blocks
+// (scratch as an output keeps the handler CUDA-graph safe); the CPU backward does not need it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/ffi_util.h"
+
+namespace blujax {
+
+inline ffi::DataType RmsNormStatType(ffi::DataType x) {
+  return x == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+inline ffi::Error CheckRmsNormInput(const char* op, const ffi::AnyBuffer& x, bool allow_f64,
+                                    RowsCols* rc) {
+  BLUJAX_RETURN_IF_ERROR(CheckFloatRows(op, x, allow_f64, rc));
+  if (rc->cols < 1)
+    return InvalidArgument(op, ": the normalised axis is empty (x has shape ", ShapeString(x), ")");
+  return ffi::Error::Success();
+}
+
+// weight, dweight: C elements of x's dtype.
+inline ffi::Error CheckRmsNormWeight(const char* op, const char* name, const ffi::AnyBuffer& w,
+                                     const ffi::AnyBuffer& x, int64_t cols) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, name, w, x.element_type()));
+  if (static_cast<int64_t>(w.element_count()) != cols || (w.dimensions().size() != 0 &&
+                                                          w.dimensions().back() != cols))
+    return InvalidArgument(op, ": ", name, " has shape ", ShapeString(w), " but x has ", cols,
+                           " features (shape ", ShapeString(x), ")");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckRmsNormRstd(const char* op, const ffi::AnyBuffer& rstd,
+                                   const ffi::AnyBuffer& x, int64_t rows) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "rstd", rstd, RmsNormStatType(x.element_type())));
+  return CheckCount(op, "rstd", rstd, rows);
+}
+
+inline ffi::Error CheckRmsNormEps(const char* op, double eps) {
+  if (!(eps >= 0.0) || !std::isfinite(eps))
+    return InvalidArgument(op, ": eps must be finite and >= 0, got ", eps);
+  return ffi::Error::Success();
+}
+
+// Returns the number of partial rows P the workspace [P, C] holds.
+inline ffi::Error CheckRmsNormWorkspace(const char* op, const ffi::AnyBuffer& ws, int64_t cols,
+                                        int64_t* partials) {
+  BLUJAX_RETURN_IF_ERROR(CheckDtype(op, "workspace", ws, ffi::DataType::F32));
+  const int64_t n = static_cast<int64_t>(ws.element_count());
+  if (n < cols || n % cols != 0)
+    return InvalidArgument(op, ": workspace must hold P x ", cols, " float32, got shape ",
+                           ShapeString(ws));
+  *partials = n / cols;
+  return ffi::Error::Success();
+}
+
+}  // namespace blujax

@@ -1,0 +1,92 @@
+// SwiGLU, silu(gate) * up, on the CPU: the reference twin of xla_ext/cuda/swiglu.cu (float32,
+// float64 and bfloat16, computed in float32 or float64). Handler contract: common/swiglu.h.
+//
+// With g = gate, u = up and s = sigmoid(g) = 1 / (1 + exp(-g)):
+//   y = g s u        d gate = dy u s (1 + g (1 - s))        d up = dy g s
+
+#include <cmath>
+
+#include "common/bf16.h"
+#include "common/cpu_util.h"
+#include "common/ffi_util.h"
+#include "common/registry.h"
+#include "common/swiglu.h"
+
+namespace blujax {
+namespace {
+
+// 0 for g -> -inf (the reciprocal of inf), 1 for g -> +inf.
+template <typename S> inline S Sigmoid(S g) { return S(1) / (S(1) + std::exp(-g)); }
+
+// x rows are [2, F]: gate at [0, F), up at [F, 2F).
+template <typename T>
+void SwigluFwdRows(const T* x, T* y, int64_t rows, int64_t f) {
+  using S = typename Compute<T>::type;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + 2 * f * r;
+    const T* up = gate + f;
+    T* out = y + f * r;
+    for (int64_t c = 0; c < f; ++c) {
+      const S g = Load(gate, c);
+      Store(out, c, g * Sigmoid(g) * Load(up, c));
+    }
+  }
+}
+
+template <typename T>
+void SwigluBwdRows(const T* dy, const T* x, T* dx, int64_t rows, int64_t f) {
+  using S = typename Compute<T>::type;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + 2 * f * r;
+    const T* up = gate + f;
+    const T* d = dy + f * r;
+    T* dgate = dx + 2 * f * r;
+    T* dup = dgate + f;
+    for (int64_t c = 0; c < f; ++c) {
+      const S g = Load(gate, c), u = Load(up, c), dv = Load(d, c), s = Sigmoid(g);
+      Store(dgate, c, dv * u * s * (S(1) + g * (S(1) - s)));
+      Store(dup, c, dv * g * s);
+    }
+  }
+}
+
+ffi::Error SwigluFwd(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  constexpr const char* op = "blujax_swiglu_fwd";
+  SwigluDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "y", *y, x));
+  return DispatchFloat(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    SwigluFwdRows<T>(In<T>(x), Out<T>(y), d.rows, d.cols);
+  });
+}
+
+ffi::Error SwigluBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> dx) {
+  constexpr const char* op = "blujax_swiglu_bwd";
+  SwigluDims d;
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
+  return DispatchFloat(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    SwigluBwdRows<T>(In<T>(dy), In<T>(x), Out<T>(dx), d.rows, d.cols);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kSwigluFwd, SwigluFwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // x [..., 2, F]: (gate, up)
+                           .Ret<ffi::AnyBuffer>()); // y [..., F]
+
+XLA_FFI_DEFINE_HANDLER(kSwigluBwd, SwigluBwd,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // dy [..., F]
+                           .Arg<ffi::AnyBuffer>()   // x [..., 2, F]
+                           .Ret<ffi::AnyBuffer>()); // dx [..., 2, F]: (d gate, d up)
+
+BLUJAX_REGISTER(blujax_swiglu_fwd, kSwigluFwd);
+BLUJAX_REGISTER(blujax_swiglu_bwd, kSwigluBwd);
+
+}  // namespace blujax
