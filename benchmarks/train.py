@@ -1,14 +1,15 @@
-"""GPT-2 train-step throughput: our kernels (ops=ffi) vs the plain-JAX model (ops=xla, with
-cuDNN attention on a GPU), side by side in one run.
+"""Train-step throughput of any model preset (GPT-2, Llama): our kernels (ops=ffi) vs the
+plain-JAX model (ops=xla, with cuDNN attention on a GPU), side by side in one run.
 
     python -m benchmarks.train [--model gpt2] [--seq 1024] [--batch 16,32,64] [--ops ffi,xla]
                                [--dtype bf16,f32] [--steps 10] [--profile DIR]
 
 For each (dtype, batch, ops): the jitted step (donated state, one micro-batch) is compiled,
 run twice to warm up, then timed step by step (each waited for) for --steps steps; the median
-step time gives tokens/s and MFU. FLOPs per token are `gpt2.flops_per_token` (6 per weight of
-every matrix product, LM head at the padded vocabulary, attention's products in full:
-854.6M for GPT-2 124M at T = 1024), against `train.PEAK_FLOPS` for the device. Peak memory is
+step time gives tokens/s and MFU. FLOPs per token are the family's `flops_per_token` (6 per
+weight of every matrix product, the LM head at the padded vocabulary, attention's products in
+full), against `train.PEAK_FLOPS` for the device (and, in --json rows, the 989 TFLOP/s
+datasheet peak of an H100 that peers quote). Peak memory is
 the step program's own (XLA's memory analysis: arguments + outputs + temporaries - donated
 aliases), which is what the state and one step need. --profile DIR also writes a profiler
 trace of 3 steps of the first configuration and prints where the device time goes.
@@ -25,8 +26,7 @@ from pathlib import Path
 
 import jax
 
-from blujax import train
-from blujax.model import gpt2
+from blujax import model, train
 from blujax.model import ops as model_ops
 
 
@@ -57,11 +57,11 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir
         _profile(compiled, state, x, y, profile_dir)
     tok_s = batch * seq / step_s
     peak = train.peak_flops(jax.devices()[0], dtype)
-    flops = gpt2.flops_per_token(config, seq) * tok_s
+    flops = model.family_of(config).flops_per_token(config, seq) * tok_s
     row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": seq, "remat": remat,
            "scan_layers": scan_layers,
            "step_ms": step_s * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12,
-           "mfu": flops / peak if peak else None,
+           "mfu": flops / peak if peak else None, "mfu_989": flops / 989e12,
            "program_gb": mem / 1e9 if mem is not None else None,
            "compile_s": compile_s, "loss": float(m["loss"])}
     del state, compiled, step
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.train", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
+    p.add_argument("--model", default="gpt2",
+                   help="a model preset, of any family: gpt2, llama-d12, ... (default gpt2)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", default="16,32,64", help="batch sizes, comma-separated")
     p.add_argument("--ops", default="ffi,xla", help="ops namespaces to compare: ffi, xla")
@@ -146,10 +147,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)
-    config = gpt2.get_config(a.model)
+    config = model.get_config(a.model)
     rows = []
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {a.model}, "
-          f"T={a.seq}, {gpt2.flops_per_token(config, a.seq) / 1e6:.1f}M FLOP/token", flush=True)
+          f"T={a.seq}, {model.family_of(config).flops_per_token(config, a.seq) / 1e6:.1f}M "
+          f"FLOP/token", flush=True)
     scan_layers = {"auto": None, "on": True, "off": False}[a.scan_layers]
     first = True
     for dtype in a.dtype.split(","):

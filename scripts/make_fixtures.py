@@ -1,7 +1,11 @@
-"""Reference outputs of transformers' GPT-2, so CI checks blujax against it without installing it.
+"""Reference outputs of transformers' GPT-2 and Llama, so CI checks blujax against them without
+installing transformers.
 
     python scripts/make_fixtures.py --out tests/fixtures/hf_gpt2_tiny
         # a small random GPT2LMHeadModel (save_pretrained), its logits and loss on fixed tokens
+    python scripts/make_fixtures.py --family llama --out tests/fixtures/hf_llama_tiny
+        # the same of a small random LlamaForCausalLM: grouped-query attention (2 query heads
+        # per KV head), RMSNorm scales away from 1, Llama 3's rope scaling, an untied head
     python scripts/make_fixtures.py --check-export DIR --expected FILE.npz [--atol 1e-4]
         # GPT2LMHeadModel.from_pretrained(DIR) (a folder blujax.interop.export_hf wrote) on
         # FILE.npz's `tokens` (int [B, T]): its logits against FILE.npz's `logits` ([B, T, V],
@@ -28,6 +32,15 @@ import numpy as np
 # vocabulary that is not a multiple of 128 (ours pads it to 1024).
 CONFIG = dict(vocab_size=1000, n_positions=64, n_embd=128, n_layer=2, n_head=2, bos_token_id=999,
               eos_token_id=999)
+# Llama: the rope scaling's original length (16) below the positions used (32), so that the
+# scaled frequencies matter.
+LLAMA_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 16},
+                    bos_token_id=999, eos_token_id=999)
 TOKENS_SHAPE = (2, 32)
 SEED = 0
 
@@ -47,15 +60,25 @@ def _versions(torch, transformers) -> dict:
             "transformers": transformers.__version__, "numpy": np.__version__}
 
 
-def make(out: Path) -> None:
+def make(out: Path, family: str = "gpt2") -> None:
     torch, transformers = _import_torch()
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
-    config = transformers.GPT2Config(**CONFIG, attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(config).float().eval()
+    if family == "llama":
+        config_dict = LLAMA_CONFIG
+        config = transformers.LlamaConfig(**config_dict, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(config).float().eval()
+    else:
+        config_dict = CONFIG
+        config = transformers.GPT2Config(**config_dict, attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("wte.weight"):
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight"):  # Llama's RMSNorm scales
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("wte.weight"):
                 p.normal_(0.0, 0.2)  # the tied head too: logits of a few units
             elif name.endswith("wpe.weight"):
                 p.normal_(0.0, 0.1)
@@ -65,7 +88,7 @@ def make(out: Path) -> None:
                 p.normal_(0.0, 0.05)
             else:
                 p.normal_(0.0, 0.08)
-    tokens = np.random.default_rng(SEED).integers(0, CONFIG["vocab_size"], TOKENS_SHAPE)
+    tokens = np.random.default_rng(SEED).integers(0, config_dict["vocab_size"], TOKENS_SHAPE)
     with torch.no_grad():
         t = torch.from_numpy(tokens)
         logits = model(t).logits.float().numpy()
@@ -76,16 +99,17 @@ def make(out: Path) -> None:
     (out / "generation_config.json").unlink(missing_ok=True)  # not used: keep the folder small
     np.savez(out / "expected.npz", tokens=tokens.astype(np.int32), logits=logits, loss=loss)
     versions = _versions(torch, transformers)
-    logits_shape = [*TOKENS_SHAPE, CONFIG["vocab_size"]]
+    logits_shape = [*TOKENS_SHAPE, config_dict["vocab_size"]]
     readme = [
         f"# {out.name}",
         "",
-        "A small random transformers `GPT2LMHeadModel` (`save_pretrained`, safetensors) and what",
-        "transformers computes with it, for tests/test_interop.py. Made by",
-        f"`python scripts/make_fixtures.py --out {out.as_posix()}` with",
+        f"A small random transformers `{type(model).__name__}` (`save_pretrained`, safetensors) "
+        "and what",
+        "transformers computes with it, for the interop tests. Made by",
+        f"`python scripts/make_fixtures.py --family {family} --out {out.as_posix()}` with",
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
-        f"- config: `{json.dumps(CONFIG)}`",
+        f"- config: `{json.dumps(config_dict)}`",
         f"  (eager attention, float32, seed {SEED}; every parameter re-drawn to be non-trivial)",
         f"- expected.npz: `tokens` int32 {list(TOKENS_SHAPE)} (numpy default_rng({SEED})),",
         f"  `logits` float32 {logits_shape} (`model(tokens).logits`), `loss` float32",
@@ -100,7 +124,7 @@ def make(out: Path) -> None:
 def check_export(folder: Path, expected: Path, atol: float) -> int:
     torch, transformers = _import_torch()
     want = np.load(expected)
-    model = transformers.GPT2LMHeadModel.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation="eager", torch_dtype=torch.float32).eval()
     tokens = want["tokens"].astype(np.int64)
     with torch.no_grad():
@@ -125,10 +149,12 @@ def check_export(folder: Path, expected: Path, atol: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("tests/fixtures/hf_gpt2_tiny"),
-                   help="where to write the fixture (default: %(default)s)")
+    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2",
+                   help="the model family of the fixture (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write the fixture (default: tests/fixtures/hf_FAMILY_tiny)")
     p.add_argument("--check-export", type=Path, metavar="DIR",
-                   help="instead: load DIR with GPT2LMHeadModel.from_pretrained and compare")
+                   help="instead: load DIR with AutoModelForCausalLM.from_pretrained and compare")
     p.add_argument("--expected", type=Path, metavar="FILE.npz",
                    help="with --check-export: tokens and the logits expected on them")
     p.add_argument("--atol", type=float, default=1e-4,
@@ -138,7 +164,7 @@ def main(argv=None) -> int:
         if not args.expected:
             p.error("--check-export needs --expected FILE.npz")
         return check_export(args.check_export, args.expected, args.atol)
-    make(args.out)
+    make(args.out or Path(f"tests/fixtures/hf_{args.family}_tiny"), args.family)
     return 0
 
 

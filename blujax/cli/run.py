@@ -107,8 +107,10 @@ def restore_latest(out: Path, s: TrainSettings, model_config, ops, *,
             return loop.restore_latest(checkpoint_dir(out), like, params_only=params_only,
                                        warn=warn)
         except CheckpointError as e:
+            if "has shape" not in str(e):
+                raise
             family = model.family_of(model_config)
-            if "has shape" not in str(e) or not hasattr(family, "legacy_params"):
+            if not hasattr(family, "legacy_params"):
                 raise
             # A checkpoint of an earlier blujax, whose parameter layout differed: read in
             # that layout, then converted (the numbers are the same).

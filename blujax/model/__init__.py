@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from blujax.model import gpt2
+from blujax.model import gpt2, llama
 from blujax.model.family import Family
 
-FAMILIES: dict[str, Family] = {gpt2.NAME: gpt2}
+FAMILIES: dict[str, Family] = {gpt2.NAME: gpt2, llama.NAME: llama}
 
 
 def family_of(config) -> Family:

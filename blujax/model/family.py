@@ -109,7 +109,9 @@ class OneDevice:
 
     share: parameters (float32) as a layer takes them. embed_tokens: rows of the token
     embedding for int tokens [B, T]. at_positions: the rows of a position-indexed table
-    (position embedding, rotary tables) for this device's T tokens. gather_matmul: a
+    (a position embedding) for this device's residual-stream tokens of its T; at_gathered_
+    positions: the same for the tokens a column-parallel product's output holds (all T, where
+    a sequence-parallel run splits the residual stream further: rotary tables). gather_matmul: a
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
     product, its partial sums reduced. attend(ops): the attention function, of the fused
     projection's qkv [B, T, 3, H, D] -> (output [B, T, H, D], the layer's (k, v)). loss: this
@@ -129,6 +131,10 @@ class OneDevice:
         return jax.lax.dynamic_slice_in_dim(table, start, length)
 
     @staticmethod
+    def at_gathered_positions(table, length):
+        return jax.lax.dynamic_slice_in_dim(table, 0, length)
+
+    @staticmethod
     def gather_matmul(x, w):
         return x @ w
 
@@ -139,6 +145,10 @@ class OneDevice:
     @staticmethod
     def attend(ops):
         return partial(causal_attention, ops)
+
+    @staticmethod
+    def attend_heads(ops):
+        return partial(heads_attention, ops)
 
     @staticmethod
     def loss(ops, logits, targets, *, num_classes, n_tokens):
@@ -153,3 +163,35 @@ ONE_DEVICE = OneDevice()
 def causal_attention(ops, qkv):
     """Causal attention over qkv [B, T, 3, H, D]: (output, the layer's (k, v))."""
     return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
+
+
+def heads_attention(ops, q, k, v):
+    """Causal attention of q [B, T, H, D] over k, v [B, T, KV, D]: (output, (k, v))."""
+    return ops.attention(q, k, v, causal=True), (k, v)
+
+
+def check_tokens(family: str, tokens, block_size: int):
+    """Int tokens [batch, time] with 1 <= time <= block_size; a clear error otherwise."""
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+        raise ValueError(f"{family}: tokens must be [batch, time], got shape "
+                         f"{getattr(tokens, 'shape', type(tokens).__name__)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{family}: tokens must be integers, got {tokens.dtype}")
+    if not 1 <= tokens.shape[1] <= block_size:
+        raise ValueError(f"{family}: sequence length {tokens.shape[1]} is outside [1, "
+                         f"{block_size}] (the model's block_size)")
+
+
+def check_split(config, sizes: dict[str, int], heads: tuple[str, ...]):
+    """The model splits over the mesh's "tensor" axis: whole heads (each config field named in
+    `heads` divisible by it) and equal vocabulary slices per device."""
+    tp = sizes["tensor"]
+    for name in heads:
+        if getattr(config, name) % tp:
+            raise ValueError(f"blujax.sharding: {name} ({getattr(config, name)}) must be "
+                             f"divisible by the tensor axis ({tp}): each device holds whole "
+                             f"attention heads")
+    if config.padded_vocab_size % tp:
+        raise ValueError(f"blujax.sharding: padded_vocab_size ({config.padded_vocab_size}) must "
+                         f"be divisible by the tensor axis ({tp}) for the vocabulary-parallel "
+                         f"embedding and loss")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax.kernels._util import match_vma
+from blujax.model import family
 from blujax.model.family import ONE_DEVICE, Param, axes_of, split
 
 NAME = "gpt2"
@@ -164,16 +165,9 @@ def flops_per_token(config: GPT2Config, seq_len: int) -> float:
     return 6.0 * matmul_weights + 12.0 * L * seq_len * C
 
 
-def check_mesh(config: GPT2Config, sizes: dict[str, int]) -> None:
+def check_mesh(config, sizes: dict[str, int]) -> None:
     """The model splits over the mesh: whole heads and equal vocabulary slices per device."""
-    tp = sizes["tensor"]
-    if config.n_head % tp:
-        raise ValueError(f"blujax.sharding: n_head ({config.n_head}) must be divisible by the "
-                         f"tensor axis ({tp}): each device holds whole attention heads")
-    if config.padded_vocab_size % tp:
-        raise ValueError(f"blujax.sharding: padded_vocab_size ({config.padded_vocab_size}) must "
-                         f"be divisible by the tensor axis ({tp}) for the vocabulary-parallel "
-                         f"embedding and loss")
+    family.check_split(config, sizes, ("n_head",))
 
 
 def cast(params, dtype):
@@ -242,15 +236,8 @@ def _blocks(params, tokens, *, config, ops, dtype, remat, par, scan_layers):
     return p, carry
 
 
-def check_tokens(tokens, config: GPT2Config):
-    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
-        raise ValueError(f"gpt2: tokens must be [batch, time], got shape "
-                         f"{getattr(tokens, 'shape', type(tokens).__name__)}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"gpt2: tokens must be integers, got {tokens.dtype}")
-    if not 1 <= tokens.shape[1] <= config.block_size:
-        raise ValueError(f"gpt2: sequence length {tokens.shape[1]} is outside [1, "
-                         f"{config.block_size}] (the model's block_size)")
+def check_tokens(tokens, config):
+    family.check_tokens("gpt2", tokens, config.block_size)
 
 
 def _embed(p, tokens, par, start=0):

@@ -30,11 +30,13 @@ from blujax.sharding.mesh import AXES, DATA, TENSOR, mesh_sizes
 RULES = {
     "vocab": TENSOR,
     "heads": TENSOR,     # n_head x head_dim: whole heads per device
+    "kv_heads": TENSOR,  # n_kv_head x head_dim (grouped-query attention)
     "mlp": TENSOR,
     "embed": None,
     "positions": None,
     "layers": None,      # the stacked blocks (the scan's axis)
     "qkv": None,         # q, k, v side by side
+    "gate_up": None,     # a SwiGLU MLP's gate and up projections side by side
 }
 
 

@@ -32,7 +32,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from blujax.model.family import causal_attention
+from blujax.model.family import causal_attention, heads_attention
 from blujax.sharding.mesh import AXES, CONTEXT, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
@@ -74,6 +74,12 @@ class Parallel:
         pos = jax.lax.dynamic_slice_in_dim(pos, jax.lax.axis_index(TENSOR) * n, n)
         return vary(jnp.take(table, start + pos, axis=0))
 
+    def at_gathered_positions(self, table, length):
+        """The rows of `table` for the tokens a column-parallel product's output holds: this
+        device's part of the zig-zag sequence, whole (the "tensor" group gathered it)."""
+        pos = zigzag_positions(length, self.context, jax.lax.axis_index(CONTEXT))
+        return vary(jnp.take(table, pos, axis=0))
+
     def gather_matmul(self, x, w):
         """all_gather(x over "tensor", along the sequence) @ w."""
         if self.collective_matmul and self.tensor > 1:
@@ -91,6 +97,11 @@ class Parallel:
             return partial(causal_attention, ops)
         return partial(_ring, ops, self.context)
 
+    def attend_heads(self, ops):
+        if self.context == 1:
+            return partial(heads_attention, ops)
+        return partial(_ring_heads, ops, self.context)
+
     @staticmethod
     def loss(ops, logits, targets, *, num_classes, n_tokens):
         # The padded vocabulary columns never enter the softmax.
@@ -101,6 +112,12 @@ class Parallel:
 
 def _ring(ops, n, qkv):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
+                         axis_size=n)
+    return out, (k, v)
+
+
+def _ring_heads(ops, n, q, k, v):
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
     return out, (k, v)

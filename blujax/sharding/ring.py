@@ -44,7 +44,8 @@ def zigzag_positions(length: int, n: int, index):
 
 def ring_attention(q, k, v, *, attention_with_lse, axis_name: str, axis_size: int):
     """Causal attention of this device's zig-zag queries [B, 2c, H, D] against the keys and
-    values [B, 2c, H, D] of all `axis_size` devices of `axis_name`. Call inside shard_map.
+    values [B, 2c, KV, D] (KV dividing H) of all `axis_size` devices of `axis_name`. Call
+    inside shard_map.
     attention_with_lse: (q, k, v, causal=) -> (out, lse), e.g. blujax.kernels'."""
     n = axis_size
     if n == 1:
