@@ -36,42 +36,6 @@ namespace {
 // ----------------------------------------------------------------------------------------------
 // Launchers.
 
-constexpr int kFwdFloats = 32;  // row elements a thread keeps in registers, forward
-// Dynamic shared memory a launch takes without opting in to more: the default, less room for
-// the kernels' static shared memory.
-constexpr int kMaxSharedBytes = kDefaultSharedBytes - (2 << 10);
-
-// The narrowest group whose threads hold a row of `packs` packs within the register budget;
-// 0 when even 1024 threads cannot.
-inline int GroupFor(int packs, int vecs) {
-  for (int g = 32; g <= 1024; g *= 2)
-    if (int64_t(g) * vecs >= packs) return g;
-  return 0;
-}
-
-// Blocks of a kernel that fit on one multiprocessor (at least 1).
-template <typename Kernel>
-int BlocksPerSm(Kernel kernel, int threads, size_t smem) {
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
-    cudaGetLastError();  // a sizing query only: clear it and fall back to one block
-    n = 1;
-  }
-  return n < 1 ? 1 : n;
-}
-
-template <typename F>
-void WithGroup(int group, F&& f) {
-  switch (group) {
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    case 256: f(std::integral_constant<int, 256>{}); break;
-    case 512: f(std::integral_constant<int, 512>{}); break;
-    default: f(std::integral_constant<int, 1024>{}); break;
-  }
-}
-
 // kXBias: x_bias is not null (nor residual, nor sum).
 template <typename T, bool kXBias>
 ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void* x_bias,

@@ -5,32 +5,11 @@
 #pragma once
 
 #include "common/cuda_util.cuh"
-#include "cuda/layernorm_fwd.cuh"  // kBlock, the any-shape kernels' block
+#include "common/row_norm.cuh"
+#include "cuda/layernorm_fwd.cuh"
 
 namespace blujax {
 namespace {
-
-// Threads of a backward block: groups share a block of at least 512 threads, so a
-// multiprocessor holds one or two blocks and leaves as many partial rows of dweight/dbias, not
-// four or more. Every block writes its partial row as the grid ends, and the second kernel
-// reads them all, so fewer partial rows are less to write and read (measured faster for
-// narrow groups and for groups of 128 threads, which had a block each before).
-template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
-  return kGroup < 512 ? 512 : kGroup;
-}
-// Elements of dy (and of x) a backward thread keeps in registers: 16, in twice as many threads
-// as 32 would need, each held to 64 registers so that 1024 threads fit a multiprocessor (with
-// 32 and ~125 registers, 512 did, and were latency-bound; 16 measured faster). bfloat16 fits
-// the bound only with its packs kept whole (PackElem): split into a register an element, they
-// spilled, the add-bias variant's so badly that it kept 32 elements without the bound.
-constexpr int kBwdFloats = 16;
-template <typename T> __host__ __device__ constexpr int BwdVecs() {
-  return kBwdFloats / Pack<T>::kSize;
-}
-// Blocks a multiprocessor must hold, promised through __launch_bounds__.
-template <int kThreads> __host__ __device__ constexpr int BwdMinBlocks() {
-  return kThreads < 1024 ? 1024 / kThreads : 1;
-}
 
 // Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
 // x packs in registers. A thread's columns are the same for every row, so it adds its share of

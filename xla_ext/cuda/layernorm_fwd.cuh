@@ -6,15 +6,10 @@
 #pragma once
 
 #include "common/cuda_util.cuh"
+#include "common/row_norm.cuh"
 
 namespace blujax {
 namespace {
-
-constexpr int kBlock = 256;  // threads per block, unless one row's group is wider
-
-template <int kGroup> __host__ __device__ constexpr int BlockFor() {
-  return kGroup > kBlock ? kGroup : kBlock;
-}
 
 // The end of a forward row once a thread holds its packs' values in v (n of them, summing to
 // sum): the row's mean and squared deviations in one exchange (each thread's own around its own

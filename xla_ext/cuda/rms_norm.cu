@@ -23,15 +23,10 @@
 #include "common/cuda_util.cuh"
 #include "common/registry.h"
 #include "common/rms_norm.h"
+#include "common/row_norm.cuh"
 
 namespace blujax {
 namespace {
-
-constexpr int kBlock = 256;  // threads per block, unless one row's group is wider
-
-template <int kGroup> __host__ __device__ constexpr int BlockFor() {
-  return kGroup > kBlock ? kGroup : kBlock;
-}
 
 // ----------------------------------------------------------------------------------------------
 // Forward, register path: one row per group of kGroup threads, kVecs packs per thread, kept as
@@ -126,20 +121,7 @@ RmsNormFwdAnyKernel(const T* x, const T* __restrict__ residual, const T* __restr
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward. As in LayerNorm: groups share a block of at least 512 threads (fewer partial rows to
-// write and reduce), each thread keeps 16 elements of dy and of x in registers, held to 64
-// registers so that 1024 threads fit a multiprocessor.
-template <int kGroup> __host__ __device__ constexpr int BwdBlockFor() {
-  return kGroup < 512 ? 512 : kGroup;
-}
-constexpr int kBwdFloats = 16;
-template <typename T> __host__ __device__ constexpr int BwdVecs() {
-  return kBwdFloats / Pack<T>::kSize;
-}
-template <int kThreads> __host__ __device__ constexpr int BwdMinBlocks() {
-  return kThreads < 1024 ? 1024 / kThreads : 1;
-}
-
+// Backward, shaped as LayerNorm's (common/row_norm.cuh: BwdBlockFor, kBwdFloats).
 // Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
 // x packs in registers. A thread's columns are the same for every row, so it adds its share of
 // dweight into its group's own slice of shared memory without atomics; at the end the block
@@ -315,42 +297,6 @@ RmsNormReducePartials(const float* __restrict__ ws, int partials, int cols,
 
 // ----------------------------------------------------------------------------------------------
 // Launchers.
-
-constexpr int kFwdFloats = 32;  // row elements a thread keeps in registers, forward
-// Dynamic shared memory a launch takes without opting in to more: the default, less room for
-// the kernels' static shared memory.
-constexpr int kMaxSharedBytes = kDefaultSharedBytes - (2 << 10);
-
-// The narrowest group whose threads hold a row of `packs` packs, `vecs` a thread; 0 when even
-// 1024 threads cannot.
-inline int GroupFor(int packs, int vecs) {
-  for (int g = 32; g <= 1024; g *= 2)
-    if (int64_t(g) * vecs >= packs) return g;
-  return 0;
-}
-
-// Blocks of a kernel that fit on one multiprocessor (at least 1).
-template <typename Kernel>
-int BlocksPerSm(Kernel kernel, int threads, size_t smem) {
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
-    cudaGetLastError();  // a sizing query only: clear it and fall back to one block
-    n = 1;
-  }
-  return n < 1 ? 1 : n;
-}
-
-template <typename F>
-void WithGroup(int group, F&& f) {
-  switch (group) {
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    case 256: f(std::integral_constant<int, 256>{}); break;
-    case 512: f(std::integral_constant<int, 512>{}); break;
-    default: f(std::integral_constant<int, 1024>{}); break;
-  }
-}
 
 // kAdd: residual and sum are not null.
 template <typename T, bool kAdd>
