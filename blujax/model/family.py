@@ -64,6 +64,19 @@ def axes_of(declare, config) -> Any:
     return split(jax.eval_shape(lambda k: declare(config, k), jax.random.key(0)))[1]
 
 
+def init_and_axes(declare):
+    """A family's init(config, key) (the values of declare's params, jitted; the config is
+    static) and logical_axes(config) (their axes), both from its declare."""
+    @partial(jax.jit, static_argnums=0)
+    def init(config, key):
+        return split(declare(config, key))[0]
+
+    def logical_axes(config):
+        return axes_of(declare, config)
+
+    return init, logical_axes
+
+
 class Family(Protocol):
     """What a model family module defines (gpt2.py is the reference).
 

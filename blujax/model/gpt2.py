@@ -31,7 +31,7 @@ import numpy as np
 
 from blujax.kernels._util import match_vma
 from blujax.model import family
-from blujax.model.family import ONE_DEVICE, Param, axes_of, split
+from blujax.model.family import ONE_DEVICE, Param
 
 NAME = "gpt2"
 TITLE = "GPT-2"  # how messages name the family
@@ -128,19 +128,8 @@ def declare(config: GPT2Config, key) -> dict:
     }
 
 
-def init(config: GPT2Config, key) -> dict:
-    """The params `declare` creates, without their axes. All float32."""
-    return _init(config, key)
-
-
-@partial(jax.jit, static_argnums=0)
-def _init(config: GPT2Config, key) -> dict:
-    return split(declare(config, key))[0]
-
-
-def logical_axes(config: GPT2Config) -> dict:
-    """Each parameter's logical axes (a tuple of names per leaf), as `declare` states them."""
-    return axes_of(declare, config)
+# init(config, key): the values of declare's params (float32); logical_axes(config): their axes.
+init, logical_axes = family.init_and_axes(declare)
 
 
 def decay_mask(params) -> dict:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax.model import family
-from blujax.model.family import ONE_DEVICE, Param, axes_of, split
+from blujax.model.family import ONE_DEVICE, Param
 
 NAME = "llama"
 TITLE = "Llama"
@@ -150,18 +150,8 @@ def declare(config: LlamaConfig, key) -> dict:
     return params
 
 
-def init(config: LlamaConfig, key) -> dict:
-    """The params `declare` creates, without their axes. All float32."""
-    return _init(config, key)
-
-
-@partial(jax.jit, static_argnums=0)
-def _init(config: LlamaConfig, key) -> dict:
-    return split(declare(config, key))[0]
-
-
-def logical_axes(config: LlamaConfig) -> dict:
-    return axes_of(declare, config)
+# init(config, key): the values of declare's params (float32); logical_axes(config): their axes.
+init, logical_axes = family.init_and_axes(declare)
 
 
 def decay_mask(params) -> dict:
