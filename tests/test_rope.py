@@ -303,3 +303,124 @@ def test_cuda_large(rng, shape, dtype):
     got = jax.grad(_loss(ops.rope, ct))(x, cos, sin)
     want = jax.grad(_loss(spec.rope, ct))(x, cos, sin)
     assert_close(got, want, dtype, factor=2)
+
+
+# --- rope_qkv: RoPE fused into the split of a fused QKV projection's output ---------------------
+
+# (B, T, H, KV, D): multi-head (H = KV), grouped (H = 4 KV, llama-d12's 12/4 and 1B's 32/8
+# shapes small), one KV head; half head sizes whole bfloat16 vectors (32) or not (5, 20).
+QKV_SHAPES = [(2, 5, 2, 2, 10), (1, 7, 12, 4, 64), (3, 4, 4, 1, 40), (2, 9, 3, 1, 64),
+              (1, 33, 8, 2, 128)]
+
+
+def _qkv_loss(fn, heads, cts):
+    """A scalar whose gradient sends the cotangents cts into fn's q, k, v."""
+    def loss(qkv, cos, sin):
+        outs = fn(qkv, cos, sin, heads=heads)
+        return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, cts))
+    return loss
+
+
+def _check_rope_qkv(rng, shape, dtype, factor=2):
+    b, t, h, kv, d = shape
+    qkv = randn(rng, (b, t, h + 2 * kv, d), dtype)
+    cos, sin, angles = _tables(np.arange(t) + 3, d, theta=500000.0)
+    q, k, v = ops.rope_qkv(qkv, cos, sin, heads=h)
+    assert [a.shape for a in (q, k, v)] == [(b, t, h, d), (b, t, kv, d), (b, t, kv, d)]
+    assert q.dtype == k.dtype == v.dtype == qkv.dtype
+    for got, want in zip((q, k, v), spec.rope_qkv(qkv, cos, sin, heads=h)):
+        assert_close(got, want, dtype)
+    # The same as the unfused op on the split, and v bit for bit.
+    assert_close(q, _numpy_rope(qkv[:, :, :h], angles), dtype)
+    assert_close(k, _numpy_rope(qkv[:, :, h:h + kv], angles), dtype)
+    np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32)),
+                                  np.asarray(qkv[:, :, h + kv:].astype(jnp.float32)))
+    cts = [randn(rng, a.shape, jnp.float32) for a in (q, k, v)]
+    got = jax.grad(_qkv_loss(ops.rope_qkv, h, cts), argnums=(0, 1, 2))(qkv, cos, sin)
+    want = jax.grad(_qkv_loss(spec.rope_qkv, h, cts), argnums=(0, 1, 2))(qkv, cos, sin)
+    assert got[0].dtype == qkv.dtype and got[0].shape == qkv.shape
+    assert_close(got[0], want[0], dtype, factor=factor)
+    for g in got[1:]:
+        np.testing.assert_array_equal(g, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", QKV_SHAPES, ids=str)
+def test_rope_qkv_values_and_grads(rng, shape, dtype):
+    _check_rope_qkv(rng, shape, dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 2, 1, 2), (2, 4, 3, 3, 6)], ids=str)
+def test_rope_qkv_check_grads_float64(rng, shape):
+    b, t, h, kv, d = shape
+    with cpu_float64():
+        qkv = randn(rng, (b, t, h + 2 * kv, d), jnp.float64)
+        cos, sin, _ = _tables(np.arange(t), d, dtype=np.float64)
+        for got, want in zip(ops.rope_qkv(qkv, cos, sin, heads=h),
+                             spec.rope_qkv(qkv, cos, sin, heads=h)):
+            assert_close(got, want, jnp.float64)
+        check_grads(lambda x: ops.rope_qkv(x, cos, sin, heads=h), (qkv,), order=1,
+                    modes=("rev",))
+
+
+def test_rope_qkv_jit_vmap_and_empty(rng):
+    qkv = randn(rng, (3, 2, 6, 8, 16), jnp.float32)  # a vmapped batch of [2, 6, 4 + 2 + 2, 16]
+    cos, sin, _ = _tables(np.arange(6), 16)
+    f = jax.jit(jax.vmap(lambda x: ops.rope_qkv(x, cos, sin, heads=4)))
+    for got, want in zip(f(qkv), spec.rope_qkv(qkv, cos, sin, heads=4)):
+        assert_close(got, want, jnp.float32)
+    empty = jnp.zeros((0, 6, 8, 16), jnp.float32)
+    assert [a.shape for a in ops.rope_qkv(empty, cos, sin, heads=4)] == \
+        [(0, 6, 4, 16), (0, 6, 2, 16), (0, 6, 2, 16)]
+
+
+def test_rope_qkv_bad_arguments(rng):
+    qkv = randn(rng, (2, 4, 6, 8), jnp.float32)
+    cos, sin, _ = _tables(np.arange(4), 8)
+    for heads in (0, 6, 3, 2.0, True):
+        with pytest.raises(ValueError, match="rope_qkv: heads must be"):
+            ops.rope_qkv(qkv, cos, sin, heads=heads)
+    with pytest.raises(ValueError, match=r"rope_qkv: cos must have shape \(T, D/2\)"):
+        ops.rope_qkv(qkv, cos[:3], sin, heads=4)
+    with pytest.raises(ValueError, match=r"rope_qkv: qkv must have shape"):
+        ops.rope_qkv(qkv[0, 0], cos, sin, heads=4)
+    with pytest.raises(TypeError, match="rope_qkv: qkv has dtype int32"):
+        ops.rope_qkv(qkv.astype(jnp.int32), cos, sin, heads=4)
+
+
+@pytest.mark.parametrize("case", ["heads_sum", "kv_unequal", "part_dtype", "part_lead",
+                                  "part_rank", "dqkv_heads", "cos_rows"])
+def test_rope_qkv_handler_rejects_inconsistent_buffers(rng, case):
+    qkv = randn(rng, (2, 4, 6, 8), jnp.float32)
+    cos, sin, _ = _tables(np.arange(4), 8)
+    sds = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+
+    def parts(h, kv, kv2=None, dtype=f32, lead=(2, 4)):
+        return (sds((*lead, h, 8), dtype), sds((*lead, kv, 8), f32),
+                sds((*lead, kv if kv2 is None else kv2, 8), f32))
+
+    fwd, bwd = "blujax_rope_qkv_fwd", "blujax_rope_qkv_bwd"
+    dq, dk = qkv[:, :, :4], qkv[:, :, 4:5]
+    calls = {
+        "heads_sum": lambda: _raw(fwd, parts(2, 1), qkv, cos, sin),
+        "kv_unequal": lambda: _raw(fwd, parts(3, 1, 2), qkv, cos, sin),
+        "part_dtype": lambda: _raw(fwd, parts(4, 1, dtype=jnp.bfloat16), qkv, cos, sin),
+        "part_lead": lambda: _raw(fwd, parts(4, 1, lead=(2, 3)), qkv, cos, sin),
+        "part_rank": lambda: _raw(fwd, (sds((8, 4, 8), f32),) + parts(4, 1)[1:], qkv, cos, sin),
+        "dqkv_heads": lambda: _raw(bwd, sds((2, 4, 7, 8), f32), dq, dk, dk, cos, sin),
+        "cos_rows": lambda: _raw(fwd, parts(4, 1), qkv, cos[:3], sin),
+    }
+    with pytest.raises(Exception, match="blujax_rope_qkv_(fwd|bwd)"):
+        jax.block_until_ready(calls[case]())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(8, 2048, 32, 8, 64), (16, 1024, 12, 4, 64),
+                                   (2, 517, 5, 1, 80), (3, 77, 6, 2, 6), (1, 1031, 7, 7, 128)],
+                         ids=str)
+def test_cuda_rope_qkv_large(rng, shape, dtype):
+    # llama-1b's and llama-d12's shapes; H = 40 whole float32 vectors only, 3 neither; head
+    # counts that leave partial groups in every part.
+    _check_rope_qkv(rng, shape, dtype)

@@ -16,7 +16,7 @@ from blujax.kernels.cross_entropy import (
 from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 from blujax.kernels.rms_norm import add_rms_norm, rms_norm
-from blujax.kernels.rope import rope
+from blujax.kernels.rope import rope, rope_qkv
 from blujax.kernels.swiglu import swiglu
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "rope",
+    "rope_qkv",
     "softmax_cross_entropy",
     "softmax_cross_entropy_mean",
     "swiglu",

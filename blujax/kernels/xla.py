@@ -110,6 +110,14 @@ def rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def rope_qkv(qkv, cos, sin, *, heads: int):
+    """A fused QKV projection's output qkv [..., T, heads + 2 KV, D] split into (q, k, v) =
+    (rope(qkv[..., :heads, :]), rope(the next KV heads), the last KV heads)."""
+    kv = (qkv.shape[-2] - heads) // 2
+    q, k, v = jnp.split(qkv, (heads, heads + kv), axis=-2)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
 def softmax_cross_entropy(logits, targets, *, ignore_index: int = -1,
                           num_classes: int | None = None):
     """Per-row logsumexp(logits[n]) - logits[n, targets[n]], float32 (float64 for float64),

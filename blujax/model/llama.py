@@ -283,13 +283,13 @@ def _block(layer, s, d, *, config, ops, attend, par, cos, sin):
     residual stream so far; d: the previous sublayer's output, still to be added to it."""
     D, eps = config.head_dim, config.norm_eps
     h, s = ops.add_rms_norm(d, s, layer["attn_norm"], eps=eps)
-
-    def heads(w):  # this device's heads: [B, T, heads, D]
-        x = par.gather_matmul(h, w)
-        return x.reshape(*x.shape[:2], -1, D)
-
-    q, k, v = heads(layer["wq"]), heads(layer["wk"]), heads(layer["wv"])
-    a, kv = attend(ops.rope(q, cos, sin), ops.rope(k, cos, sin), v)
+    # One product for this device's query, key and value heads (one wide matrix multiplies
+    # faster than three narrow ones), split with q and k turned in one pass (rope_qkv).
+    wq = layer["wq"]
+    qkv = par.gather_matmul(h, jnp.concatenate([wq, layer["wk"], layer["wv"]], axis=-1))
+    q, k, v = ops.rope_qkv(qkv.reshape(*qkv.shape[:2], -1, D), cos, sin,
+                           heads=wq.shape[-1] // D)
+    a, kv = attend(q, k, v)
     a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"])
     h, s = ops.add_rms_norm(a, s, layer["mlp_norm"], eps=eps)
     w = layer["w_gate_up"]  # [C, 2, F] (this device's F)

@@ -74,6 +74,12 @@ def _rope(x, cos, sin):
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def _rope_qkv(qkv, cos, sin, *, heads: int):
+    kv = (qkv.shape[-2] - heads) // 2
+    q, k, v = jnp.split(qkv, (heads, heads + kv), axis=-2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
 class Namespace:
     """Ops as read-only attributes, as the module `blujax.kernels` holds them; hashed by
     identity as a module is, since jitted functions take the namespace as a static argument
@@ -97,6 +103,7 @@ XLA = Namespace(
     gelu=xla.gelu,
     swiglu=_swiglu,
     rope=_rope,
+    rope_qkv=_rope_qkv,
     softmax_cross_entropy=xla.softmax_cross_entropy,
     softmax_cross_entropy_mean=xla.softmax_cross_entropy_mean,
     attention=_dot_product_attention,
