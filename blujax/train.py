@@ -153,7 +153,7 @@ def init_state(config, tcfg: TrainConfig, key, ops=kernels, mesh=None, *,
         return state_from_params(config, family.init(config, key), tcfg, ops)
 
     shardings = state_shardings(jax.eval_shape(init, key), family.logical_axes(config), mesh,
-                                shard_optimizer)
+                                shard_optimizer, whole_axes(config, mesh_sizes(mesh)))
     return jax.jit(init, out_shardings=shardings)(key)
 
 
@@ -174,7 +174,7 @@ def place_state(state: TrainState, config, mesh, *, shard_optimizer: bool = Fals
         # (each process then puts in the pieces its devices hold).
         state = jax.device_get(state)
     shardings = state_shardings(state, family_of(config).logical_axes(config), mesh,
-                                shard_optimizer)
+                                shard_optimizer, whole_axes(config, mesh_sizes(mesh)))
     return jax.device_put(state, shardings)
 
 
@@ -221,7 +221,8 @@ def _device(config, mesh, collective_matmul=False, reduce_in_backward=False) -> 
     sizes = mesh_sizes(mesh)
     family_of(config).check_mesh(config, sizes)
     return _Device(Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul,
-                            reduce_in_backward), sizes, reduce_in_backward)
+                            reduce_in_backward, whole_axes(config, sizes)), sizes,
+                   reduce_in_backward)
 
 
 def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, dev, n_tokens,
@@ -414,7 +415,16 @@ def loss_fn(params, inputs, targets, *, config, ops, dtype=jnp.float32, remat=Fa
 def _layout(params, config, dev, shard_optimizer=False) -> Layout:
     if not dev.sizes:
         return Layout.of(params, None, None)
-    return Layout.of(params, family_of(config).logical_axes(config), dev.sizes, shard_optimizer)
+    return Layout.of(params, family_of(config).logical_axes(config), dev.sizes, shard_optimizer,
+                     dev.par.whole)
+
+
+def whole_axes(config, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The logical axes config's family keeps whole (replicated over "tensor") on a mesh of
+    these sizes though sharding.layout.RULES splits them: its optional whole_axes(config,
+    sizes), none without one."""
+    whole = getattr(family_of(config), "whole_axes", None)
+    return tuple(whole(config, sizes)) if whole is not None else ()
 
 
 # A batch [B, T]: sequences over "data", each sequence (zig-zag ordered) over "context"; the

@@ -8,7 +8,8 @@ in by being registered in `blujax.model.FAMILIES`.
 Parameters declare their logical axes where they are created: a family's `declare(config,
 key)` returns its params pytree with every leaf a `Param(value, axes)`, one axis name per
 dimension ("vocab", "embed", "heads", ...). `init` and `logical_axes` are that tree's values
-and axes (`split`); `blujax.sharding.layout.RULES`, the one table, maps the names to mesh axes.
+and axes (`split`); `blujax.sharding.layout.RULES`, the one table, maps the names to mesh axes
+(an optional `whole_axes(config, sizes)` keeps some of them whole on a given mesh).
 
 Inside a step the model calls the device's *hooks* where a parallel run communicates:
 `ONE_DEVICE` below on one device, `blujax.sharding.Parallel` inside `shard_map`.
@@ -102,6 +103,10 @@ class Family(Protocol):
       family has an llm.c format): blujax.interop's conversions.
     Optional: legacy_params(params) / upgrade_params(params), to and from the parameter layout
       of checkpoints an earlier blujax wrote, which `train --resume`, eval and sample convert.
+    Optional: whole_axes(config, sizes): the logical axes that RULES splits over "tensor" but
+      this config keeps whole (replicated) on a mesh of these sizes (Llama's "kv_heads" where
+      n_kv_head does not divide by "tensor"); the layout (sharding.Layout.of's `whole`) and the
+      hooks (sharding.Parallel's) follow it. Without it, none.
     """
 
     NAME: str
@@ -127,8 +132,11 @@ class OneDevice:
     a sequence-parallel run splits the residual stream further: rotary tables). gather_matmul: a
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
     product, its partial sums reduced. attend(ops): the attention function, of the fused
-    projection's qkv [B, T, 3, H, D] -> (output [B, T, H, D], the layer's (k, v)). loss: this
-    device's share (sum / n_tokens) of the mean cross-entropy of logits [N, V] against [N].
+    projection's qkv [B, T, 3, H, D] -> (output [B, T, H, D], the layer's (k, v));
+    attend_heads(ops): the same for q [B, T, H, D] and k, v [B, T, KV, D] of KV heads (grouped-
+    query attention; on a mesh, this device's query heads, and its key/value heads or all of
+    them where the layout keeps "kv_heads" whole). loss: this device's share (sum / n_tokens)
+    of the mean cross-entropy of logits [N, V] against [N].
     """
 
     @staticmethod

@@ -113,7 +113,8 @@ def declare(config: LlamaConfig, key) -> dict:
     output projections normal(0.02 / sqrt(2 n_layer)), unit RMSNorm scales, all float32; the
     padded vocabulary rows zero. The query projection's output axis is "heads" (n_head x
     head_dim), the key and value projections' "kv_heads" (n_kv_head x head_dim): split over
-    devices, each gets whole heads, its query heads' own key/value heads among them."""
+    devices, each gets whole heads, its query heads' own key/value heads among them; where
+    n_kv_head does not divide by "tensor", the key/value heads stay whole (whole_axes)."""
     L, C, F, std = config.n_layer, config.n_embd, config.ffn_hidden, 0.02
     D = config.head_dim
     proj_std = std / math.sqrt(2 * L)
@@ -173,9 +174,18 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
 
 def check_mesh(config, sizes: dict[str, int]) -> None:
-    """The model splits over the mesh: whole query and key/value heads per device, equal
-    vocabulary slices."""
-    family.check_split(config, sizes, ("n_head", "n_kv_head"))
+    """The model splits over the mesh: whole query heads per device (n_head divisible by
+    "tensor"; the key/value heads split with them where n_kv_head divides too, else replicated:
+    whole_axes), equal vocabulary slices."""
+    family.check_split(config, sizes, ("n_head",))
+
+
+def whole_axes(config, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The logical axes kept whole on a mesh of these sizes: "kv_heads" where n_kv_head does
+    not divide by "tensor". Then wk and wv are replicated over "tensor", every device computes
+    all the key/value heads, and its attention (sharding.Parallel.attend_heads) uses those of
+    its query heads; their gradients are summed over "tensor"."""
+    return ("kv_heads",) if config.n_kv_head % sizes["tensor"] else ()
 
 
 def check_tokens(tokens, config):

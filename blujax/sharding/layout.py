@@ -5,7 +5,10 @@ Each parameter declares its logical axes where its family creates it (`family.Pa
 `family.logical_axes(config)`); RULES, the one table, maps a logical axis to the mesh axis it
 splits over. Everything is replicated over "data" and "context", except with
 shard_optimizer=True (ZeRO-1), where AdamW's moments (and the update) are also split over
-"data" along one axis of each leaf (`zero_axis`).
+"data" along one axis of each leaf (`zero_axis`). A family may keep some of its logical axes
+whole for a given mesh (`whole`, from its optional `whole_axes(config, sizes)`): Llama's key /
+value heads where n_kv_head does not divide by "tensor" are replicated over it instead, each
+device computing all of them (`Parallel.attend_heads` picks the ones its query heads use).
 
 On one device (mesh None) a Layout has no mesh axes and every collective below is the
 identity: the train step is the same code on one device and on any mesh.
@@ -40,15 +43,21 @@ RULES = {
 }
 
 
-def tensor_axis(axes: tuple[str, ...], where: str = "a parameter") -> int | None:
-    """The dimension of a leaf with these logical axes that splits over "tensor" (None: none).
-    ValueError for a name RULES does not know, or two dimensions on "tensor"."""
+def tensor_axis(axes: tuple[str, ...], where: str = "a parameter",
+                whole: tuple[str, ...] = ()) -> int | None:
+    """The dimension of a leaf with these logical axes that splits over "tensor" (None: none);
+    names in `whole` stay whole (replicated) though RULES splits them. ValueError for a name
+    RULES does not know, or two dimensions on "tensor"."""
     unknown = [a for a in axes if a not in RULES]
     if unknown:
         raise ValueError(f"blujax.sharding: {where} has the logical axis {unknown[0]!r}, which "
                          f"blujax.sharding.layout.RULES does not map (it maps "
                          f"{', '.join(RULES)})")
-    split = [i for i, a in enumerate(axes) if RULES[a] == TENSOR]
+    unknown = [a for a in whole if a not in RULES]
+    if unknown:
+        raise ValueError(f"blujax.sharding: the logical axis {unknown[0]!r} to keep whole is not "
+                         f"one blujax.sharding.layout.RULES maps")
+    split = [i for i, a in enumerate(axes) if RULES[a] == TENSOR and a not in whole]
     if len(split) > 1:
         raise ValueError(f"blujax.sharding: {where} has two axes on \"tensor\": {axes}")
     return split[0] if split else None
@@ -68,16 +77,19 @@ class Layout:
 
     @classmethod
     def of(cls, params, logical_axes, sizes: dict[str, int] | None,
-           shard_optimizer: bool = False) -> "Layout":
+           shard_optimizer: bool = False, whole: tuple[str, ...] = ()) -> "Layout":
         """The layout of params (arrays or shapes) with these logical axes (a tree of the same
-        structure) on a mesh of these sizes; sizes None: one device."""
+        structure) on a mesh of these sizes; sizes None: one device. `whole`: logical axes
+        replicated over "tensor" on this mesh though RULES splits them (the family's
+        whole_axes(config, sizes)); such a leaf's gradient is then summed over "tensor" too
+        (`reduce`), and counted once in `global_norm`."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
         if sizes is None:
             n = len(leaves)
             return cls(treedef, tuple(len(x.shape) for _, x in leaves), (None,) * n,
                        (None,) * n, ())
         names = treedef.flatten_up_to(logical_axes)
-        tensor_axes = tuple(tensor_axis(a, f"params{jax.tree_util.keystr(path)}")
+        tensor_axes = tuple(tensor_axis(a, f"params{jax.tree_util.keystr(path)}", whole)
                             for (path, _), a in zip(leaves, names))
         zero_axes = tuple(
             zero_axis(x.shape, t, sizes[TENSOR], sizes[DATA]) if shard_optimizer else None
@@ -180,8 +192,9 @@ def _spec(ndim, tensor_axis, zero_axis):
     return P(*entries)
 
 
-def state_shardings(state, logical_axes, mesh, shard_optimizer: bool = False):
-    """NamedShardings of a TrainState (arrays or shapes) on `mesh`."""
-    layout = Layout.of(state.params, logical_axes, mesh_sizes(mesh), shard_optimizer)
+def state_shardings(state, logical_axes, mesh, shard_optimizer: bool = False,
+                    whole: tuple[str, ...] = ()):
+    """NamedShardings of a TrainState (arrays or shapes) on `mesh` (`whole` as Layout.of's)."""
+    layout = Layout.of(state.params, logical_axes, mesh_sizes(mesh), shard_optimizer, whole)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), layout.state_specs(state),
                         is_leaf=lambda x: isinstance(x, P))

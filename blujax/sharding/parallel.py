@@ -21,6 +21,10 @@ see ring.py), and:
   soon as it exists, where it can overlap the backward of the layers below it. Without it the
   step reduces all gradients once, after the backward (and after the last micro-batch).
 - attend: ring attention over "context" (plain causal attention when it has size 1).
+  attend_heads (grouped-query attention, q [B, T, H, D] over k, v [B, T, KV, D]): the same;
+  where the layout keeps the key/value heads whole (`whole` holds "kv_heads": n_kv_head does
+  not divide by "tensor", so wk and wv are replicated over it and every device computes all
+  the KV heads), each device first picks the KV heads its own query heads use (`_local_kv`).
 - loss: the vocabulary-parallel cross-entropy of the device's logits columns.
 """
 
@@ -49,12 +53,15 @@ def vary(x, axes=AXES):
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
-    """The parallel hooks for a mesh whose "tensor" and "context" axes have these sizes."""
+    """The parallel hooks for a mesh whose "tensor" and "context" axes have these sizes.
+    `whole`: the logical axes the layout keeps whole though RULES splits them
+    (blujax.sharding.layout.Layout.of's)."""
 
     tensor: int
     context: int
     collective_matmul: bool = False
     reduce_in_backward: bool = False
+    whole: tuple[str, ...] = ()
 
     def share(self, params):
         return vary(params) if self.reduce_in_backward else params
@@ -98,9 +105,11 @@ class Parallel:
         return partial(_ring, ops, self.context)
 
     def attend_heads(self, ops):
-        if self.context == 1:
-            return partial(heads_attention, ops)
-        return partial(_ring_heads, ops, self.context)
+        attend = (partial(heads_attention, ops) if self.context == 1
+                  else partial(_ring_heads, ops, self.context))
+        if "kv_heads" in self.whole and self.tensor > 1:
+            return partial(_attend_local_kv, attend, self.tensor)
+        return attend
 
     @staticmethod
     def loss(ops, logits, targets, *, num_classes, n_tokens):
@@ -121,6 +130,30 @@ def _ring_heads(ops, n, q, k, v):
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
     return out, (k, v)
+
+
+def _attend_local_kv(attend, tp, q, k, v):
+    """attend(q, k, v) for this device's query heads q [B, T, Hl, D] over the KV heads they use
+    of k, v [B, T, KV, D] (all of them, replicated over "tensor"); returns (output, (k, v))
+    with all the KV heads, as the layer computed them."""
+    out, _ = attend(q, *_local_kv(q.shape[2], k.shape[2], tp, k, v))
+    return out, (k, v)
+
+
+def _local_kv(hl, kv, tp, *xs):
+    """The KV heads (of kv in all) that device r of "tensor", holding the query heads
+    [r hl, (r + 1) hl) of hl tp, uses, cut from each of xs [B, T, kv, D]: query head h reads KV
+    head h // G, G = hl tp / kv. Where hl divides G, all hl query heads read one KV head
+    (r hl // G: local GQA of group hl); otherwise each query head gets its own copy (G = 1
+    here), e.g. 6 heads over 3 devices with 2 KV heads: device 1's heads 2, 3 read KV heads 0,
+    1. (hl / G = kv / tp: a whole number of KV heads per device is the case where they split
+    over "tensor" instead; the copies are right there too.)"""
+    g = hl * tp // kv
+    r = jax.lax.axis_index(TENSOR)
+    if g % hl == 0:
+        return tuple(jax.lax.dynamic_slice_in_dim(x, r * hl // g, 1, axis=2) for x in xs)
+    index = (r * hl + jnp.arange(hl)) // g
+    return tuple(jnp.take(x, index, axis=2) for x in xs)
 
 
 def _gather_matmul(x, w, n):
