@@ -4,7 +4,8 @@
 `optax.chain(optax.clip_by_global_norm(1.0), adamw(...))`): the same arithmetic in the same
 order, so float32 steps track optax's to the last bit or two, but each step is one pass over
 (param, grad, m, v) per group of leaves instead of XLA's fusions, and the moments are updated in
-place. Moments are float32 for float32 and bfloat16 parameters (optax would keep bfloat16
+place. `adamw_apply` is the same step with a clipping factor and the update applied inside
+that pass (the train step's form). Moments are float32 for float32 and bfloat16 parameters (optax would keep bfloat16
 moments for bfloat16 parameters), float64 for float64.
 """
 
@@ -54,6 +55,48 @@ def adamw(
     ops: the namespace whose `adamw_update_many` does the arithmetic: `blujax.kernels` (the
       default, our kernels) or `blujax.kernels.xla` (the jnp specification).
     """
+    step = _adamw_step(learning_rate, b1, b2, eps, weight_decay, mask, ops)
+
+    def update_fn(updates, state, params=None):
+        return step(updates, state, params, grad_scale=None, apply=False)
+
+    return optax.GradientTransformation(_adamw_init, update_fn)
+
+
+def adamw_apply(
+    learning_rate: Union[float, optax.Schedule],
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    mask: Union[Any, Callable[[optax.Params], Any], None] = None,
+    *,
+    ops=None,
+):
+    """`adamw`'s step with the update applied: apply(grads, state, params, grad_scale=None) ->
+    (new_params, new_state), what `update` then `optax.apply_updates` give for the gradients
+    times grad_scale (a float32 scalar: a global-norm clipping factor), in one pass over the
+    parameters, gradients and moments per group of leaves instead of three. The state is
+    `adamw(...).init`'s. Arguments as `adamw`'s."""
+    step = _adamw_step(learning_rate, b1, b2, eps, weight_decay, mask, ops)
+
+    def apply(grads, state, params, grad_scale=None):
+        return step(grads, state, params, grad_scale=grad_scale, apply=True)
+
+    return apply
+
+
+def _adamw_init(params):
+    def zeros(p):
+        return jnp.zeros(jnp.shape(p), moment_dtype(jnp.asarray(p).dtype))
+
+    return AdamWState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
+                      nu=jax.tree.map(zeros, params))
+
+
+def _adamw_step(learning_rate, b1, b2, eps, weight_decay, mask, ops):
+    """The hyper-parameters checked; step(grads, state, params, grad_scale, apply) ->
+    (updates, or with apply the new params; the new state)."""
     op = "blujax.optim.adamw"
     check_hyperparameters(op, b1, b2, eps)
     if not callable(learning_rate) and not isinstance(learning_rate, jax.Array):
@@ -64,22 +107,16 @@ def adamw(
         raise ValueError(f"{op}: weight_decay must be a finite number, got {weight_decay!r}")
     ops = kernels if ops is None else ops
 
-    def init_fn(params):
-        def zeros(p):
-            return jnp.zeros(jnp.shape(p), moment_dtype(jnp.asarray(p).dtype))
-
-        return AdamWState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params),
-                          nu=jax.tree.map(zeros, params))
-
-    def update_fn(updates, state, params=None):
+    def step(updates, state, params, *, grad_scale, apply):
         grads, treedef = jax.tree.flatten(updates)
         mu = treedef.flatten_up_to(state.mu)
         nu = treedef.flatten_up_to(state.nu)
         decays = _decay_flags(mask, updates, treedef, weight_decay)
-        if any(decays) and params is None:
+        if (any(decays) or apply) and params is None:
             raise ValueError(f"{op}: weight decay needs the params: call update(grads, state, "
                              "params)")
-        # Params are only read where they decay; elsewhere any buffer of the right type will do.
+        # Params are only read where they decay or take the update; elsewhere any buffer of
+        # the right type will do.
         ps = treedef.flatten_up_to(params) if params is not None else grads
 
         count_inc = optax.safe_increment(state.count)
@@ -94,18 +131,20 @@ def adamw(
             groups.setdefault((jnp.dtype(g.dtype), d, varying), []).append(i)
         new_u, new_mu, new_nu = [None] * len(grads), list(mu), list(nu)
         for (dtype, decays_here, _), idx in groups.items():
-            hparams = _hparams(lr, weight_decay if decays_here else 0.0, count_inc, b1, b2,
-                               moment_dtype(dtype))
+            mdt = moment_dtype(dtype)
+            hparams = _hparams(lr, weight_decay if decays_here else 0.0, count_inc, b1, b2, mdt)
+            scale = None if grad_scale is None else jnp.asarray(grad_scale).astype(mdt)
             u, m, v = ops.adamw_update_many(
                 [ps[i] for i in idx], [grads[i] for i in idx], [mu[i] for i in idx],
-                [nu[i] for i in idx], hparams, b1=b1, b2=b2, eps=eps)
+                [nu[i] for i in idx], hparams, b1=b1, b2=b2, eps=eps, grad_scale=scale,
+                apply=apply)
             for j, i in enumerate(idx):
                 new_u[i], new_mu[i], new_nu[i] = u[j], m[j], v[j]
         return (treedef.unflatten(new_u),
                 AdamWState(count=count_inc, mu=treedef.unflatten(new_mu),
                            nu=treedef.unflatten(new_nu)))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return step
 
 
 def _hparams(lr, weight_decay, count_inc, b1, b2, dtype):

@@ -141,6 +141,36 @@ def make_adamw(tcfg: TrainConfig, ops=kernels, decay_mask=None) -> optax.Gradien
                  weight_decay=tcfg.weight_decay, mask=decay_mask)
 
 
+def make_adamw_step(tcfg: TrainConfig, ops=kernels, decay_mask=None):
+    """step(grads, adam_state, params, grad_norm) -> (new params, new adam_state): the
+    gradients clipped to tcfg.grad_clip by their global norm (0: not clipped), make_adamw's
+    AdamW, the update applied. On our kernels that is one fused pass (blujax.optim.adamw_apply,
+    with the clipping factor and the addition inside it); on XLA's, optax's clip, adamw and
+    apply_updates as a JAX user writes them."""
+    kw = dict(b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
+              mask=decay_mask)
+    clip = tcfg.grad_clip
+    if ops is kernels:
+        apply = optim.adamw_apply(schedule(tcfg), **kw)
+
+        def fused(grads, state, params, norm):
+            scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32) if clip else None
+            return apply(grads, state, params, scale)
+
+        return fused
+    adamw = optax.adamw(schedule(tcfg), **kw)
+
+    def plain(grads, state, params, norm):
+        if clip:  # optax.clip_by_global_norm, with the global norm
+            trigger = norm < clip
+            grads = jax.tree.map(lambda g: jax.lax.select(
+                trigger, g, (g / norm.astype(g.dtype)) * clip), grads)
+        updates, state = adamw.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return plain
+
+
 def init_state(config, tcfg: TrainConfig, key, ops=kernels, mesh=None, *,
                shard_optimizer: bool = False) -> TrainState:
     """Step 0 of training a fresh model of `config` (its family's init). On a mesh, the same
@@ -304,7 +334,7 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
     """
     family = family_of(config)
     dev = _device(config, mesh, collective_matmul, reduce_in_backward)
-    adamw = make_adamw(tcfg, ops, family.decay_mask)
+    adamw_step = make_adamw_step(tcfg, ops, family.decay_mask)
     lr_at = schedule(tcfg)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
                    remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev)
@@ -319,12 +349,7 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
         value = dev.psum(value)
 
         def update(params, adam_state, grads):
-            if tcfg.grad_clip:  # optax.clip_by_global_norm, with the global norm; 0: none
-                trigger = norm < tcfg.grad_clip
-                grads = jax.tree.map(lambda g: jax.lax.select(
-                    trigger, g, (g / norm.astype(g.dtype)) * tcfg.grad_clip), grads)
-            updates, adam_state = adamw.update(grads, adam_state, params)
-            return optax.apply_updates(params, updates), adam_state
+            return adamw_step(grads, adam_state, params, norm)
 
         clip_state, adam_state = state.opt_state  # make_optimizer's chain
         # The loss and norm are the same on every device, so every device takes the same branch

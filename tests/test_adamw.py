@@ -61,6 +61,77 @@ def test_update_matches_spec(rng, shape, dtype):
         _assert_step_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (3,), (4099,), (50304, 7)], ids=str)
+def test_apply_and_grad_scale_match_spec(rng, shape, dtype):
+    # The train step's form: the gradient scaled (clipping), the update added to the param.
+    p, g, m, v = _state(rng, shape, dtype)
+    scale = jnp.float32(0.37)
+    for wd in (0.1, 0.0):
+        hp = _hparams(wd=wd)
+        kw = dict(b1=B1, b2=B2, eps=EPS, grad_scale=scale)
+        new_p, m1, v1 = ops.adamw_update(p, g, m, v, hp, apply=True, **kw)
+        _assert_step_close((new_p, m1, v1), spec.adamw_update(p, g, m, v, hp, apply=True, **kw),
+                           dtype)
+        # Exactly the unfused form: the update (of g * scale, in the param dtype) added.
+        u, m2, v2 = ops.adamw_update(p, g, m, v, hp, **kw)
+        np.testing.assert_array_equal(np.asarray(new_p, np.float32), np.asarray(p + u, np.float32))
+        np.testing.assert_array_equal(m1, m2)
+        np.testing.assert_array_equal(v1, v2)
+
+
+def test_apply_float64_cpu(rng):
+    with cpu_float64():
+        p, g, m, v = _state(rng, (17, 5), jnp.float64)
+        hp = _hparams(dtype=jnp.float64)
+        kw = dict(b1=B1, b2=B2, eps=EPS, grad_scale=jnp.float64(0.5), apply=True)
+        _assert_step_close(ops.adamw_update(p, g, m, v, hp, **kw),
+                           spec.adamw_update(p, g, m, v, hp, **kw), jnp.float64)
+
+
+def test_apply_bad_arguments(rng):
+    p, g, m, v = _state(rng, (4,), jnp.float32)
+    hp = _hparams()
+    with pytest.raises(ValueError, match=r"grad_scale must be a float32 scalar"):
+        ops.adamw_update(p, g, m, v, hp, grad_scale=jnp.ones([1], jnp.float32))
+    with pytest.raises(ValueError, match=r"grad_scale must be a float32 scalar"):
+        ops.adamw_update(p, g, m, v, hp, grad_scale=jnp.ones([], jnp.bfloat16))
+    with pytest.raises(TypeError, match="apply must be a bool"):
+        ops.adamw_update(p, g, m, v, hp, apply=1)
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clipped", "unclipped"])
+def test_adamw_apply_matches_optax_chain(rng, clip):
+    # adamw_apply(grads, state, params, scale) == clip_by_global_norm, adamw, apply_updates.
+    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=3, decay_steps=12,
+                                            end_value=3e-4)
+    kw = dict(b1=B1, b2=B2, eps=EPS, weight_decay=0.1, mask=_matrices_only)
+    apply = jax.jit(blujax.optim.adamw_apply(lr, **kw))
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, **kw))
+    params = _tree(rng)
+    p_ours, p_ref = params, params
+    s_ours, s_ref = blujax.optim.adamw(lr, **kw).init(params), ref.init(params)
+
+    @jax.jit
+    def ref_step(params, state, grads):
+        updates, state = ref.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(8):
+        grads = jax.tree.map(lambda p: randn(rng, p.shape, p.dtype, 3.0 if clip else 0.01),
+                             params)
+        norm = optax.tree.norm(grads)
+        assert bool(norm > 1.0) == clip
+        scale = jnp.where(norm < 1.0, 1.0, 1.0 / norm).astype(jnp.float32)
+        p_ours, s_ours = apply(grads, s_ours, p_ours, scale)
+        p_ref, s_ref = ref_step(p_ref, s_ref, grads)
+        # g * (1 / norm) against optax's (g / norm) * 1: an ulp apart at most per gradient.
+        _assert_trees_close(p_ours, p_ref)
+    assert int(s_ours.count) == 8
+    _assert_trees_close(s_ours.mu, s_ref[1][0].mu)
+    _assert_trees_close(s_ours.nu, s_ref[1][0].nu)
+
+
 def test_weight_decay_zero_never_reads_params(rng):
     # Masked-out leaves skip `weight_decay * p`: the kernel does not even read p.
     p, g, m, v = _state(rng, (1001,), jnp.float32)
@@ -347,9 +418,14 @@ def test_optimizer_rejects_bad_hyperparameters(rng):
 
 # --- handlers fed inconsistent buffers directly -------------------------------------------------
 
-def _raw(outs, *args, b1=B1, b2=B2, eps=EPS, aliases=None):
+def _raw(outs, *args, b1=B1, b2=B2, eps=EPS, apply=False):
     call = jax.ffi.ffi_call("blujax_adamw", outs)
-    return jax.jit(lambda *a: call(*a, b1=b1, b2=b2, eps=eps))(*args)
+    return jax.jit(lambda *a: call(*a, b1=b1, b2=b2, eps=eps, apply=apply))(*args)
+
+
+def _kernel_hparams(**kw):
+    """The kernel's five hparams: _hparams' four, then grad_scale 1."""
+    return jnp.concatenate([_hparams(**kw), jnp.ones([1], jnp.float32)])
 
 
 @pytest.mark.parametrize("case", ["odd_operands", "few_results", "grad_size", "m_dtype",
@@ -357,7 +433,7 @@ def _raw(outs, *args, b1=B1, b2=B2, eps=EPS, aliases=None):
                                   "int_params", "b1", "eps_nan", "new_v_size"])
 def test_handler_rejects_inconsistent_buffers(rng, case):
     p, g, m, v = _state(rng, (4, 8), jnp.float32)
-    hp = _hparams()
+    hp = _kernel_hparams()
     sds = jax.ShapeDtypeStruct
     f32 = sds((4, 8), jnp.float32)
     outs = (f32, f32, f32)
@@ -366,7 +442,7 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
         "few_results": lambda: _raw((f32, f32), hp, p, g, m, v),
         "grad_size": lambda: _raw(outs, hp, p, g[:3], m, v),
         "m_dtype": lambda: _raw(outs, hp, p, g, m.astype(jnp.bfloat16), v),
-        "hparams_size": lambda: _raw(outs, hp[:3], p, g, m, v),
+        "hparams_size": lambda: _raw(outs, hp[:4], p, g, m, v),
         "hparams_dtype": lambda: _raw(outs, hp.astype(jnp.int32), p, g, m, v),
         "mixed_params": lambda: _raw(
             (f32, sds((4, 8), jnp.bfloat16), f32, f32, f32, f32), hp, p,
@@ -388,7 +464,7 @@ def test_cuda_rejects_float64_buffers(rng):
     with jax.enable_x64(True):
         sds = jax.ShapeDtypeStruct((4, 8), jnp.float64)
         with pytest.raises(Exception, match="unsupported parameter dtype float64"):
-            jax.block_until_ready(_raw((sds, sds, sds), np.ones(4), x, x, x, x))
+            jax.block_until_ready(_raw((sds, sds, sds), np.ones(5), x, x, x, x))
 
 
 @pytest.mark.gpu
@@ -400,5 +476,11 @@ def test_cuda_gpt2_sized_leaves(rng, dtype):
     hp = _hparams(step=1)
     got = ops.adamw_update_many(*zip(*states), hp, b1=B1, b2=B2, eps=EPS)
     want = spec.adamw_update_many(*zip(*states), hp, b1=B1, b2=B2, eps=EPS)
+    for i in range(len(shapes)):
+        _assert_step_close([o[i] for o in got], [o[i] for o in want], dtype)
+    # The train step's form: clipped gradients, the update applied in place.
+    kw = dict(b1=B1, b2=B2, eps=EPS, grad_scale=jnp.float32(0.25), apply=True)
+    got = ops.adamw_update_many(*zip(*states), hp, **kw)
+    want = spec.adamw_update_many(*zip(*states), hp, **kw)
     for i in range(len(shapes)):
         _assert_step_close([o[i] for o in got], [o[i] for o in want], dtype)

@@ -57,24 +57,31 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5):
 
 
 def adamw_update(param, grad, m, v, hparams, *, b1: float = 0.9, b2: float = 0.95,
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, grad_scale=None, apply: bool = False):
     """One AdamW step, in optax.adamw's order: returns (update, new_m, new_v).
 
-    hparams = [lr, weight_decay, bias_correction1, bias_correction2] in the moments' dtype.
+    hparams = [lr, weight_decay, bias_correction1, bias_correction2] in the moments' dtype;
+    the gradient is grad * grad_scale where grad_scale (a scalar of that dtype) is given.
+    apply=True returns param + update (optax.apply_updates) in place of the update.
     """
     ct = m.dtype
     lr, wd, bc1, bc2 = hparams[0], hparams[1], hparams[2], hparams[3]
     g = grad.astype(ct)
+    if grad_scale is not None:
+        g = g * grad_scale
     m = (1 - b1) * g + b1 * m
     v = (1 - b2) * (g * g) + b2 * v
     u = (m / bc1) / (jnp.sqrt(v / bc2) + eps) + wd * param.astype(ct)
-    return ((-lr) * u).astype(param.dtype), m, v
+    u = ((-lr) * u).astype(param.dtype)
+    return (param + u if apply else u), m, v
 
 
 def adamw_update_many(params, grads, ms, vs, hparams, *, b1: float = 0.9, b2: float = 0.95,
-                      eps: float = 1e-8):
-    """adamw_update over lists of tensors sharing hparams: (updates, new_ms, new_vs)."""
-    outs = [adamw_update(p, g, m, v, hparams, b1=b1, b2=b2, eps=eps)
+                      eps: float = 1e-8, grad_scale=None, apply: bool = False):
+    """adamw_update over lists of tensors sharing hparams: (updates or new params, new_ms,
+    new_vs)."""
+    outs = [adamw_update(p, g, m, v, hparams, b1=b1, b2=b2, eps=eps, grad_scale=grad_scale,
+                         apply=apply)
             for p, g, m, v in zip(params, grads, ms, vs)]
     return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
 

@@ -1,18 +1,25 @@
 // The fused AdamW handler contract, shared by xla_ext/cpu/adamw.cc and xla_ext/cuda/adamw.cu.
 //
 // blujax_adamw (hparams, p_0..p_{N-1}, g_0..g_{N-1}, m_0..m_{N-1}, v_0..v_{N-1})
-//           -> (u_0..u_{N-1}, m'_0..m'_{N-1}, v'_0..v'_{N-1})      attributes b1, b2, eps (f64)
+//           -> (u_0..u_{N-1}, m'_0..m'_{N-1}, v'_0..v'_{N-1})
+//    attributes b1, b2, eps (f64), apply (bool)
 //
-// One call updates N >= 1 tensors that share a parameter dtype and the four hyper-parameters
-// hparams = [lr, weight_decay, bias_correction1, bias_correction2] (device values: the learning
-// rate and the bias corrections change every step, so they cannot be compile-time attributes).
-// Per element, in the order optax.adamw computes it:
+// One call updates N >= 1 tensors that share a parameter dtype and the five hyper-parameters
+// hparams = [lr, weight_decay, bias_correction1, bias_correction2, grad_scale] (device values:
+// the learning rate, the bias corrections and the clipping scale change every step, so they
+// cannot be compile-time attributes). Per element, in the order optax.adamw computes it, on
+// g = grad * grad_scale (global-norm clipping folded in; 1 for none):
 //   m' = (1 - b1) g + b1 m          v' = (1 - b2) g^2 + b2 v
 //   u  = -lr * ((m' / bc1) / (sqrt(v' / bc2) + eps) + weight_decay * p)
-// p, g and u have the parameter dtype (float32, bfloat16, or float64 on the CPU); the moments and
-// hparams are float32 (float64 for float64 parameters). With weight_decay == 0 p is not read.
-// The Python wrapper aliases g -> u, m -> m' and v -> v' (all in place); kernels read each
-// element before they write it, so aliased and separate buffers both work.
+// and with `apply` the first results are the new parameters p + u (u rounded to the parameter
+// dtype first, as optax.apply_updates adds an update of that dtype) instead of u: one pass
+// where clipping, AdamW and applying the update would otherwise read and write the parameters
+// and gradients three times. p, g and u have the parameter dtype (float32, bfloat16, or float64
+// on the CPU); the moments and hparams are float32 (float64 for float64 parameters). With
+// weight_decay == 0 and no `apply`, p is not read.
+// The Python wrapper aliases g -> u (p -> p + u with apply), m -> m' and v -> v' (all in
+// place); kernels read each element before they write it, so aliased and separate buffers both
+// work.
 #pragma once
 
 #include <cmath>
@@ -23,7 +30,8 @@
 
 namespace blujax {
 
-constexpr int64_t kAdamWHparams = 4;  // lr, weight_decay, bias_correction1, bias_correction2
+constexpr int64_t kAdamWHparams = 5;  // lr, weight_decay, bias_correction1, bias_correction2,
+                                      // grad_scale
 
 inline ffi::DataType AdamWMomentType(ffi::DataType param) {
   return param == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
@@ -35,7 +43,7 @@ struct AdamWTensor {
   const void* g;
   const void* m;
   const void* v;
-  void* u;
+  void* u;  // the update, or with `apply` the new parameters
   void* m_out;
   void* v_out;
   int64_t n;

@@ -21,9 +21,9 @@ namespace {
 
 template <typename T>
 void AdamWTensorStep(const AdamWTensor& t, const typename Compute<T>::type* hparams, double b1,
-                     double b2, double eps) {
+                     double b2, double eps, bool apply) {
   using S = typename Compute<T>::type;
-  const S step = -hparams[0], wd = hparams[1];
+  const S step = -hparams[0], wd = hparams[1], scale = hparams[4];
   const S inv_bc1 = S(1) / hparams[2], inv_bc2 = S(1) / hparams[3];
   const S b1s = static_cast<S>(b1), b2s = static_cast<S>(b2);
   const S one_minus_b1 = static_cast<S>(1.0 - b1), one_minus_b2 = static_cast<S>(1.0 - b2);
@@ -38,37 +38,41 @@ void AdamWTensorStep(const AdamWTensor& t, const typename Compute<T>::type* hpar
   S* m_out = static_cast<S*>(t.m_out);
   S* v_out = static_cast<S*>(t.v_out);
   for (int64_t i = 0; i < t.n; ++i) {
-    const S gi = Load(g, i);
+    const S gi = Load(g, i) * scale;
     const S mi = std::fma(one_minus_b1, gi, b1s * m[i]);
     const S vi = std::fma(one_minus_b2, gi * gi, b2s * v[i]);
     S ui = (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps_s);
-    if (wd != S(0)) ui = std::fma(wd, static_cast<S>(Load(p, i)), ui);  // else p is not read
+    // p is read only where it decays or takes the update; with apply it is written over.
+    const S pi = wd != S(0) || apply ? static_cast<S>(Load(p, i)) : S(0);
+    if (wd != S(0)) ui = std::fma(wd, pi, ui);
     m_out[i] = mi;
     v_out[i] = vi;
     Store(u, i, step * ui);
+    // With apply, p + u with u rounded to the parameter dtype first (optax.apply_updates).
+    if (apply) Store(u, i, pi + static_cast<S>(Load(u, i)));
   }
 }
 
 ffi::Error AdamW(ffi::AnyBuffer hparams, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                 double b1, double b2, double eps) {
+                 double b1, double b2, double eps, bool apply) {
   constexpr const char* op = "blujax_adamw";
   BLUJAX_RETURN_IF_ERROR(CheckAdamWAttrs(op, b1, b2, eps));
   ffi::DataType param;
   std::vector<AdamWTensor> tensors;  // per call: XLA:CPU may run several calls at once
   BLUJAX_RETURN_IF_ERROR(
       CollectAdamWTensors(op, hparams, args, rets, /*allow_f64=*/true, &param, &tensors));
+  const float* hp32 = static_cast<const float*>(hparams.untyped_data());
+  const double* hp64 = static_cast<const double*>(hparams.untyped_data());
   for (const AdamWTensor& t : tensors) {
     switch (param) {
       case ffi::DataType::F32:
-        AdamWTensorStep<float>(t, static_cast<const float*>(hparams.untyped_data()), b1, b2, eps);
+        AdamWTensorStep<float>(t, hp32, b1, b2, eps, apply);
         break;
       case ffi::DataType::BF16:
-        AdamWTensorStep<uint16_t>(t, static_cast<const float*>(hparams.untyped_data()), b1, b2,
-                                  eps);
+        AdamWTensorStep<uint16_t>(t, hp32, b1, b2, eps, apply);
         break;
       case ffi::DataType::F64:
-        AdamWTensorStep<double>(t, static_cast<const double*>(hparams.untyped_data()), b1, b2,
-                                eps);
+        AdamWTensorStep<double>(t, hp64, b1, b2, eps, apply);
         break;
       default:
         return InvalidArgument(op, ": unsupported parameter dtype ", DtypeName(param));
@@ -81,12 +85,13 @@ ffi::Error AdamW(ffi::AnyBuffer hparams, ffi::RemainingArgs args, ffi::Remaining
 
 XLA_FFI_DEFINE_HANDLER(kAdamW, AdamW,
                        ffi::Ffi::Bind()
-                           .Arg<ffi::AnyBuffer>()  // hparams [4]: lr, wd, bc1, bc2
+                           .Arg<ffi::AnyBuffer>()  // hparams [5]: lr, wd, bc1, bc2, scale
                            .RemainingArgs()        // p[N], g[N], m[N], v[N]
-                           .RemainingRets()        // u[N], m'[N], v'[N]
+                           .RemainingRets()        // u[N] (p + u[N] with apply), m'[N], v'[N]
                            .Attr<double>("b1")
                            .Attr<double>("b2")
-                           .Attr<double>("eps"));
+                           .Attr<double>("eps")
+                           .Attr<bool>("apply"));
 
 BLUJAX_REGISTER(blujax_adamw, kAdamW);
 

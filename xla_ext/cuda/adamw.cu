@@ -1,8 +1,8 @@
 // Fused AdamW on the GPU (float32 or bfloat16 parameters, float32 moments); the CPU twin is
 // xla_ext/cpu/adamw.cc and the handler contract common/adamw.h.
 //
-// Memory-bound: 28 bytes per float32 element (read p, g, m, v; write u, m, v), so the design is
-// about streaming. One launch updates up to kMaxTensors tensors: their pointers and sizes travel
+// Memory-bound: 28 bytes per float32 element (read p, g, m, v; write u, m, v; with `apply`
+// the new p in place of u, the same bytes), so the design is about streaming. One launch updates up to kMaxTensors tensors: their pointers and sizes travel
 // in the kernel's parameter block (no device-side table, so nothing to allocate or copy, and the
 // launch stays CUDA-graph safe). Every tensor is cut into chunks of kChunk elements; a block
 // takes a chunk of any tensor and finds the tensor by binary search over the chunk offsets. A
@@ -18,6 +18,7 @@
 // approximate).
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common/adamw.h"
 #include "common/cuda_launch.cuh"
@@ -58,18 +59,33 @@ struct AdamWConsts {
 };
 
 struct AdamWHyper {
-  float step, wd, inv_bc1, inv_bc2;  // step = -lr; 1 / bias corrections
+  float step, wd, inv_bc1, inv_bc2, scale;  // step = -lr; 1 / bias corrections; grad_scale
 };
 
 // The step for one element; m and v are updated in place.
 __device__ __forceinline__ float AdamWElement(float p, float g, float& m, float& v,
                                               const AdamWConsts& c, const AdamWHyper& h) {
+  g = __fmul_rn(g, h.scale);
   m = __fmaf_rn(c.one_minus_b1, g, __fmul_rn(c.b1, m));
   v = __fmaf_rn(c.one_minus_b2, __fmul_rn(g, g), __fmul_rn(c.b2, v));
   const float denom = __fadd_rn(__fsqrt_rn(__fmul_rn(v, h.inv_bc2)), c.eps);
   float u = __fdiv_rn(__fmul_rn(m, h.inv_bc1), denom);
   if (h.wd != 0.f) u = __fmaf_rn(h.wd, p, u);
   return __fmul_rn(h.step, u);
+}
+
+// u rounded to T, as optax.apply_updates adds an update of the parameter dtype.
+template <typename T>
+__device__ __forceinline__ float RoundTo(float u) {
+  if constexpr (std::is_same_v<T, float>) return u;
+  else return __bfloat162float(__float2bfloat16_rn(u));
+}
+
+// What the kernel writes for an element: the update u, or with kApply the new parameter.
+template <typename T, bool kApply>
+__device__ __forceinline__ float AdamWResult(float p, float u) {
+  if constexpr (kApply) return __fadd_rn(p, RoundTo<T>(u));
+  else return u;
 }
 
 // Four consecutive elements in one access: 16 bytes of float, 8 bytes of bfloat16.
@@ -108,14 +124,15 @@ __device__ __forceinline__ bool PackAligned(const T* p, const T* g, const T* u, 
 }
 
 // __grid_constant__: the batch is indexed with a runtime tensor number, which would otherwise
-// copy the whole parameter block into every thread's local memory.
-template <typename T>
+// copy the whole parameter block into every thread's local memory. kApply: u is p + u, written
+// over p (so p is read through the ordinary cache, not the read-only one).
+template <typename T, bool kApply>
 __global__ void __launch_bounds__(kThreads)
 AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict__ hparams,
             const AdamWConsts c) {
   const AdamWHyper h{-__ldg(hparams), __ldg(hparams + 1), __frcp_rn(__ldg(hparams + 2)),
-                     __frcp_rn(__ldg(hparams + 3))};
-  const bool decay = h.wd != 0.f;
+                     __frcp_rn(__ldg(hparams + 3)), __ldg(hparams + 4)};
+  const bool read_p = kApply || h.wd != 0.f;
   const int64_t total = batch.chunk_start[batch.count];
   for (int64_t chunk = blockIdx.x; chunk < total; chunk += gridDim.x) {
     int lo = 0, hi = batch.count - 1;  // the last tensor whose first chunk is <= chunk
@@ -141,11 +158,12 @@ AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int off = (k * kThreads + threadIdx.x) * kVec;
-        // g, m and v are overwritten in place (u, m', v'): only p may use the read-only cache.
+        // g, m and v are overwritten in place (u, m', v'): only p may use the read-only cache,
+        // and only where the result does not overwrite it.
         Load4(g + off, gv[k], false);
         Load4(m + off, mv[k], false);
         Load4(v + off, vv[k], false);
-        if (decay) Load4(p + off, pv[k], true);
+        if (read_p) Load4(p + off, pv[k], !kApply);
         else pv[k][0] = pv[k][1] = pv[k][2] = pv[k][3] = 0.f;
       }
 #pragma unroll
@@ -153,7 +171,8 @@ AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict
         float uv[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e)
-          uv[e] = AdamWElement(pv[k][e], gv[k][e], mv[k][e], vv[k][e], c, h);
+          uv[e] = AdamWResult<T, kApply>(
+              pv[k][e], AdamWElement(pv[k][e], gv[k][e], mv[k][e], vv[k][e], c, h));
         const int off = (k * kThreads + threadIdx.x) * kVec;
         Store4(u + off, uv);
         Store4(mo + off, mv[k]);
@@ -168,17 +187,18 @@ AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict
         Load4(g + off, gq, false);
         Load4(m + off, mq, false);
         Load4(v + off, vq, false);
-        if (decay) Load4(p + off, pq, true);
+        if (read_p) Load4(p + off, pq, !kApply);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) uq[e] = AdamWElement(pq[e], gq[e], mq[e], vq[e], c, h);
+        for (int e = 0; e < kVec; ++e)
+          uq[e] = AdamWResult<T, kApply>(pq[e], AdamWElement(pq[e], gq[e], mq[e], vq[e], c, h));
         Store4(u + off, uq);
         Store4(mo + off, mq);
         Store4(vo + off, vq);
       }
       for (int i = packs * kVec + threadIdx.x; i < len; i += kThreads) {
         float mi = m[i], vi = v[i];
-        const float pi = decay ? ToFloat(p[i]) : 0.f;
-        const float ui = AdamWElement(pi, ToFloat(g[i]), mi, vi, c, h);
+        const float pi = read_p ? ToFloat(p[i]) : 0.f;
+        const float ui = AdamWResult<T, kApply>(pi, AdamWElement(pi, ToFloat(g[i]), mi, vi, c, h));
         u[i] = FromFloat<T>(ui);
         mo[i] = mi;
         vo[i] = vi;
@@ -187,7 +207,7 @@ AdamWKernel(const __grid_constant__ AdamWBatch<T> batch, const float* __restrict
   }
 }
 
-template <typename T>
+template <typename T, bool kApply>
 ffi::Error LaunchAdamW(cudaStream_t stream, int device, const std::vector<AdamWTensor>& tensors,
                        const float* hparams, const AdamWConsts& c) {
   AdamWBatch<T> batch;
@@ -199,7 +219,7 @@ ffi::Error LaunchAdamW(cudaStream_t stream, int device, const std::vector<AdamWT
     // A block per chunk, each passing once: with fewer blocks striding over the chunks, a
     // block's loads found little else resident to overlap them (measured slower).
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(chunks, 0x7fffffff));
-    AdamWKernel<T><<<grid, kThreads, 0, stream>>>(batch, hparams, c);
+    AdamWKernel<T, kApply><<<grid, kThreads, 0, stream>>>(batch, hparams, c);
     batch.count = 0;
     return LastCudaError("blujax_adamw");
   };
@@ -223,7 +243,7 @@ ffi::Error LaunchAdamW(cudaStream_t stream, int device, const std::vector<AdamWT
 
 ffi::Error AdamW(cudaStream_t stream, int32_t device, ffi::AnyBuffer hparams,
                  ffi::RemainingArgs args, ffi::RemainingRets rets, double b1, double b2,
-                 double eps) {
+                 double eps, bool apply) {
   constexpr const char* op = "blujax_adamw";
   BLUJAX_RETURN_IF_ERROR(CheckAdamWAttrs(op, b1, b2, eps));
   ffi::DataType param;
@@ -234,9 +254,12 @@ ffi::Error AdamW(cudaStream_t stream, int32_t device, ffi::AnyBuffer hparams,
                       static_cast<float>(b2), static_cast<float>(1.0 - b2),
                       static_cast<float>(eps)};
   const float* hp = static_cast<const float*>(hparams.untyped_data());
-  return param == ffi::DataType::F32
-             ? LaunchAdamW<float>(stream, device, tensors, hp, c)
-             : LaunchAdamW<__nv_bfloat16>(stream, device, tensors, hp, c);
+  using B = __nv_bfloat16;
+  if (param == ffi::DataType::F32)
+    return apply ? LaunchAdamW<float, true>(stream, device, tensors, hp, c)
+                 : LaunchAdamW<float, false>(stream, device, tensors, hp, c);
+  return apply ? LaunchAdamW<B, true>(stream, device, tensors, hp, c)
+               : LaunchAdamW<B, false>(stream, device, tensors, hp, c);
 }
 
 
@@ -246,12 +269,13 @@ XLA_FFI_DEFINE_HANDLER(kAdamW, AdamW,
                        ffi::Ffi::Bind()
                            .Ctx<Stream>()
                            .Ctx<Device>()
-                           .Arg<ffi::AnyBuffer>()  // hparams [4] f32: lr, wd, bc1, bc2
+                           .Arg<ffi::AnyBuffer>()  // hparams [5] f32: lr, wd, bc1, bc2, scale
                            .RemainingArgs()        // p[N], g[N], m[N], v[N]
-                           .RemainingRets()        // u[N], m'[N], v'[N]
+                           .RemainingRets()        // u[N] (p + u[N] with apply), m'[N], v'[N]
                            .Attr<double>("b1")
                            .Attr<double>("b2")
-                           .Attr<double>("eps"),
+                           .Attr<double>("eps")
+                           .Attr<bool>("apply"),
                        kGraphSafe);
 
 BLUJAX_REGISTER(blujax_adamw, kAdamW);
