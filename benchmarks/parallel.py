@@ -1,4 +1,4 @@
-"""GPT-2 train steps on several GPUs (blujax.sharding) against the one-GPU step, in one run.
+"""Train steps of any model preset (GPT-2, Llama) on several GPUs (blujax.sharding) against the one-GPU step, in one run.
 
     python -m benchmarks.parallel [--model gpt2] [--seq 1024] [--batch 16] [--dtype bf16]
                                   [--runs 1,dp2,tp2,cp2,dp2:zero,tp2:cm,dp2:rb] [--steps 10]
@@ -28,7 +28,8 @@ needs more than a GPU has is reported, not run. --xla-flags adds XLA flags for t
 much of a step its compute kernels and its communication (NCCL) kernels take, and how much
 of the communication ran while compute kernels ran too (hidden).
 
-T longer than the model's 1024 positions gets a position table of T rows (block_size = T).
+T longer than the model's block_size is run with block_size = T (GPT-2's position table or
+Llama's rotary tables get T rows).
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ import jax
 
 from benchmarks.train import (PROFILE_STEPS, kernel_time_summary, program_bytes, time_steps,
                               trace_steps)
-from blujax import sharding, train
-from blujax.model import gpt2
+from blujax import model, sharding, train
 from blujax.model import ops as model_ops
 
 OPTIONS = ("zero", "cm", "rb", "plain")
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.parallel", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
+    p.add_argument("--model", default="gpt2",
+                   help="a model preset, of any family: gpt2, llama-1b, ... (default gpt2)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=16,
                    help="sequences per data-parallel rank and step (default 16)")
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
     label = a.xla_flags if a.label is None else a.label
     runs = [parse_run(r) for r in a.runs.split(",")]
-    config = gpt2.get_config(a.model)
+    config = model.get_config(a.model)
     if a.seq > config.block_size:
         config = dataclasses.replace(config, block_size=a.seq)
     n = max(r.gpus for r in runs)

@@ -12,7 +12,8 @@ full), against `train.PEAK_FLOPS` for the device (and, in --json rows, the 989 T
 datasheet peak of an H100 that peers quote). Peak memory is
 the step program's own (XLA's memory analysis: arguments + outputs + temporaries - donated
 aliases), which is what the state and one step need. --profile DIR also writes a profiler
-trace of 3 steps of the first configuration and prints where the device time goes.
+trace of 3 steps of the first configuration, prints where the device time goes and writes
+the step's optimized HLO beside the trace (DIR/step.hlo.txt, to look up XLA's fusions by name).
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ PROFILE_STEPS = 3
 
 
 def trace_steps(compiled, state, x, y, out_dir) -> Path | None:
-    """A profiler trace of PROFILE_STEPS steps in out_dir; the Perfetto JSON trace's path."""
+    """A profiler trace of PROFILE_STEPS steps in out_dir, each waited for as time_steps waits
+    (so the device's idle time between steps is in it); the Perfetto JSON trace's path."""
     out_dir = Path(out_dir)
     jax.profiler.start_trace(str(out_dir), create_perfetto_trace=True)
     for _ in range(PROFILE_STEPS):
         state, m = compiled(state, x, y)
-    jax.block_until_ready(m)
+        jax.block_until_ready(m["loss"])
     jax.profiler.stop_trace()
     traces = sorted(out_dir.rglob("*.trace.json.gz"))
     return traces[-1] if traces else None
@@ -101,8 +103,9 @@ def trace_steps(compiled, state, x, y, out_dir) -> Path | None:
 
 def _profile(compiled, state, x, y, out_dir):
     trace = trace_steps(compiled, state, x, y, out_dir)
+    (Path(out_dir) / "step.hlo.txt").write_text(compiled.as_text())
     if trace:
-        print(kernel_time_summary(trace, steps=PROFILE_STEPS))
+        print(kernel_time_summary(trace, steps=PROFILE_STEPS, top=40))
 
 
 def kernel_time_summary(path, steps: int, top: int = 25) -> str:
@@ -114,6 +117,7 @@ def kernel_time_summary(path, steps: int, top: int = 25) -> str:
     pids = {e.get("pid"): e.get("args", {}).get("name", "")
             for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     total: dict[str, float] = {}
+    spans = []  # (start, end, name) of every kernel, microseconds
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -121,12 +125,33 @@ def kernel_time_summary(path, steps: int, top: int = 25) -> str:
         if "/device:GPU" not in proc or "Stream" not in threads.get((e["pid"], e["tid"]), ""):
             continue
         total[e["name"]] = total.get(e["name"], 0.0) + e.get("dur", 0.0)
+        spans.append((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"]))
     busy = sum(total.values())
     lines = [f"device time per step: {busy / steps / 1e3:.2f} ms (kernels, summed over streams)",
-             "| kernel | ms / step | share |", "|---|---|---|"]
+             idle_summary(spans, steps), "| kernel | ms / step | share |", "|---|---|---|"]
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:90]} | {us / steps / 1e3:.3f} | {us / max(busy, 1e-9):.1%} |")
     return "\n".join(lines)
+
+
+def idle_summary(spans, steps: int, top: int = 4, min_us: float = 20.0) -> str:
+    """How long the device ran no kernel between the traced steps' first and last kernel, per
+    step, and the longest such gaps (at least min_us) with the kernels on either side: where a
+    step waits on the host (a conditional's predicate read, a launch that comes late)."""
+    spans = sorted(spans)
+    gaps, end, last = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    idle = sum(g for g, _, _ in gaps)
+    big = sorted((g for g in gaps if g[0] >= min_us), reverse=True)[:top]
+    text = f"device idle per step: {idle / steps / 1e3:.2f} ms (between kernels)"
+    if big:
+        text += "; longest gaps: " + "; ".join(
+            f"{g / 1e3:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in big)
+    return text
 
 
 def main(argv=None) -> int:
