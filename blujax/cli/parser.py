@@ -21,17 +21,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="gpt2.py",
-        description="Train GPT-2 on blujax's kernels, evaluate it, sample from it, export "
-                    "it. With no command, `train` runs with its defaults: a small model on "
-                    "tinyshakespeare for a few minutes on a CPU, GPT-2 124M in bf16 on a GPU.",
+        description="Train GPT-2 or Llama models on blujax's kernels, evaluate them, sample "
+                    "from them, export them. With no command, `train` runs with its "
+                    "defaults: a small model on tinyshakespeare for a few minutes on a CPU, "
+                    "GPT-2 124M in bf16 on a GPU.",
         epilog="Run `gpt2.py COMMAND --help` for each command's flags.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     t = commands.add_parser(
         "train", help="train a model (the default command)",
-        description="Train GPT-2. Writes config.json, metrics.jsonl (one JSON object per "
-                    "step), loss.png, ckpt/ and samples.txt into --out. Flags left out take "
-                    "their defaults, or with --resume the run's own values.")
+        description="Train a model (GPT-2 or Llama: --model). Writes config.json, "
+                    "metrics.jsonl (one JSON object per step), loss.png, ckpt/ and "
+                    "samples.txt into --out. Flags left out take their defaults, or with "
+                    "--resume the run's own values.")
     t.add_argument("--data", metavar="PATH_OR_GLOB",
                    help="a text file (tokenized with GPT-2's encoding into FILE.tokens/ "
                         "beside it, or the user cache, once), a directory or glob of llm.c "
