@@ -60,7 +60,8 @@ def test_llama_trains_resumes_evaluates_samples_exports(corpus, tmp_path, capsys
 
 
 def test_llama_on_a_mesh_resumes_on_one_device(corpus, tmp_path, capsys):  # noqa: F811
-    """dp 2 x tp 1 x cp 2 (llama-tiny has one KV head: no tensor split), then one device."""
+    """dp 2 x tp 1 x cp 2 (data and context: the tensor splits are tests/test_llama_sharding.py's),
+    then one device."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (the emulated CPUs of tests/conftest.py)")
     out = tmp_path / "mesh"
