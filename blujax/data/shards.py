@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from blujax.data.errors import ShardError
+from blujax.vocab import GPT2_VOCAB_SIZE  # re-exported: blujax.data.GPT2_VOCAB_SIZE
 
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPE = np.dtype("<u2")
-GPT2_VOCAB_SIZE = 50257
 
 
 def write_shard(path, tokens) -> Path:
