@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     if wants_torch:
         import_torch()
         export_hf = import_export_hf()
-    config = gpt2.get_config(a.model)
+    config = gpt2.PRESETS[a.model]
     tcfg = train.TrainConfig(steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup,
                              dtype=a.dtype)
     lrs = learning_rates(tcfg)

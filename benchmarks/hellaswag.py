@@ -37,7 +37,8 @@ def synthetic_items(n: int, vocab: int, seed: int = 0) -> list[hellaswag.Item]:
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.hellaswag", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
+    p.add_argument("--model", default="gpt2", choices=list(gpt2.PRESETS),
+                   help="a GPT-2 preset (default gpt2)")
     p.add_argument("--items", metavar="FILE", help="HellaSwag jsonl (default: 10,042 synthetic "
                                                    "items)")
     p.add_argument("--n", type=int, default=10042, help="synthetic items (default 10042)")
@@ -47,7 +48,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=64, help="rows per batch (default 64)")
     args = p.parse_args(argv)
 
-    config = gpt2.get_config(args.model)
+    config = gpt2.PRESETS[args.model]
     params = gpt2.init(config, jax.random.key(0))
     items = (hellaswag.load_items(args.items) if args.items
              else synthetic_items(args.n, config.vocab_size))

@@ -108,7 +108,7 @@ def run(torch, config, seq, batch, steps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.torch_llama",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-d12", help="a Llama preset of blujax")
+    p.add_argument("--model", default="llama-d12", help="a Llama preset (default llama-d12)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", default="16,32", help="batch sizes, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
@@ -117,7 +117,9 @@ def main(argv=None) -> int:
     import torch
 
     from blujax.model import llama
-    config = llama.get_config(a.model)
+    if a.model not in llama.PRESETS:
+        p.error(f"--model {a.model}: not a Llama preset ({', '.join(llama.PRESETS)})")
+    config = llama.PRESETS[a.model]
     flops_token = llama.flops_per_token(config, a.seq)
     rows = []
     for batch in (int(b) for b in a.batch.split(",")):

@@ -1,12 +1,13 @@
 """Pretrained weights in and out: Hugging Face folders, the hub's GPT-2s, llm.c model files.
 
     pre = load_pretrained("gpt2")                  # or a folder, or "gpt2_124M.bin"
-    pre.config, pre.params                         # GPT2Config, float32 numpy params (ours)
-    export_hf(params, config, "out/hf")            # GPT2LMHeadModel.from_pretrained("out/hf")
+    pre.config, pre.params                         # the family's config, float32 numpy params
+    export_hf(params, config, "out/hf")            # AutoModelForCausalLM.from_pretrained
     export_llmc(params, config, "out/model.bin")   # llm.c's train_gpt2 and load_pretrained
 
 A Hugging Face folder holds config.json and model.safetensors (what save_pretrained writes);
-its config.json's `model_type` picks the model family (`FAMILIES`). A hub name (`HUB_NAMES`) is
+its config.json's `model_type` picks the model family (`FAMILIES`: GPT2LMHeadModel,
+LlamaForCausalLM, Qwen2ForCausalLM, each family's HF_ARCHITECTURE). A hub name (`HUB_NAMES`) is
 downloaded into (or, offline, read from) huggingface_hub's cache. An llm.c model file is a
 header of 256 little-endian int32 (magic 20240326, version 3: float32 or 5: bfloat16, then
 max_seq_len, vocab_size, num_layers, num_heads, channels, padded_vocab_size) followed by the
@@ -15,9 +16,9 @@ parameters in llm.c's order (`gpt2.llmc_shapes`).
 The vocabulary is padded as ours is (to a multiple of 128, the new rows zero); exports drop the
 padding for transformers, and keep it for llm.c, which pads the same way. Every problem a user
 can fix raises InteropError, with a one-line message that names the file or name at fault.
-The layouts themselves (names, stacking, transposes) are the model family's pure functions
-(`blujax.model.gpt2`: to_hf, from_hf, to_llmc, from_llmc, config_from_hf, hf_config); this
-module does the file work around them.
+The layouts themselves (names, stacking, transposes) are the model family's converters, pure
+functions (`blujax.model.<family>`: to_hf, from_hf, config_from_hf, hf_config; GPT-2's
+to_llmc, from_llmc); this module does the file work around them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import ml_dtypes  # bfloat16 for numpy; imported, it also names it for safetensors' numpy reader
 import numpy as np
 
+from blujax import vocab
 from blujax.model import FAMILIES, family_of, gpt2
 
 log = logging.getLogger(__name__)
@@ -259,12 +261,12 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
     if version not in LLMC_VERSIONS:
         raise InteropError(f"{path}: llm.c model file version {version} is not supported "
                            f"(3: float32 or 5: bfloat16, as llm.c's train_gpt2.py writes today)")
-    max_t, vocab, n_layer, n_head, n_embd, padded = (int(v) for v in header[2:8])
+    max_t, n_vocab, n_layer, n_head, n_embd, padded = (int(v) for v in header[2:8])
     try:
         file_config = gpt2.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                                      block_size=max_t, vocab_size=vocab,
+                                      block_size=max_t, vocab_size=n_vocab,
                                       padded_vocab_size=padded)
-        config = dataclasses.replace(file_config, padded_vocab_size=gpt2.padded_vocab(vocab))
+        config = dataclasses.replace(file_config, padded_vocab_size=vocab.padded(n_vocab))
     except ValueError as e:
         raise InteropError(f"{path}: corrupt header: {e}") from None
     dtype = np.dtype("<f4") if LLMC_VERSIONS[version] == "float32" else np.dtype("<u2")
@@ -295,7 +297,8 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
 def export_hf(params, config, directory: str | os.PathLike, *,
               tokenizer: bool = True) -> Path:
     """Writes params (ours; numpy or jax arrays) into directory so that transformers'
-    GPT2LMHeadModel.from_pretrained(directory) loads them and computes our logits on the
+    AutoModelForCausalLM.from_pretrained(directory) loads them (as the family's HF_ARCHITECTURE:
+    GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM) and computes our logits on the
     unpadded vocabulary: config.json and model.safetensors (float32, save_pretrained's names).
 
     With tokenizer=True and a vocabulary of GPT-2's size, GPT-2's tokenizer files go alongside
@@ -348,7 +351,7 @@ def gpt2_tokenizer_files() -> dict[str, Path] | None:
 
 
 def _export_tokenizer(folder: Path, config) -> list[str]:
-    if config.vocab_size != gpt2.GPT2_VOCAB_SIZE:
+    if config.vocab_size != vocab.GPT2_VOCAB_SIZE:
         log.info("%s: no tokenizer files written: the vocabulary (%d) is not GPT-2's", folder,
                  config.vocab_size)
         return []

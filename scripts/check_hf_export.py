@@ -25,7 +25,8 @@ from blujax.model import ops as model_ops
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt2", help="a preset of blujax.model.gpt2 (default gpt2)")
+    p.add_argument("--model", default="gpt2", choices=list(gpt2.PRESETS),
+                   help="a GPT-2 preset (default gpt2)")
     p.add_argument("--init-from", metavar="SRC", help="pretrained weights instead of a random "
                                                       "model (interop.load_pretrained)")
     p.add_argument("--out", required=True, help="folder to export into")
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
         pre = interop.load_pretrained(args.init_from)
         config, params = pre.config, jax.device_put(pre.params)
     else:
-        config = gpt2.get_config(args.model)
+        config = gpt2.PRESETS[args.model]
         params = gpt2.init(config, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq))
     ours = gpt2.forward(params, jnp.asarray(tokens, jnp.int32), config=config,

@@ -1,11 +1,14 @@
-"""Reference outputs of transformers' GPT-2 and Llama, so CI checks blujax against them without
-installing transformers.
+"""Reference outputs of transformers' GPT-2, Llama and Qwen2, so CI checks blujax against them
+without installing transformers.
 
     python scripts/make_fixtures.py --out tests/fixtures/hf_gpt2_tiny
         # a small random GPT2LMHeadModel (save_pretrained), its logits and loss on fixed tokens
     python scripts/make_fixtures.py --family llama --out tests/fixtures/hf_llama_tiny
         # the same of a small random LlamaForCausalLM: grouped-query attention (2 query heads
         # per KV head), RMSNorm scales away from 1, Llama 3's rope scaling, an untied head
+    python scripts/make_fixtures.py --family qwen2 --out tests/fixtures/hf_qwen2_tiny
+        # a small random Qwen2ForCausalLM: biases on q, k and v, a RoPE theta that is neither
+        # transformers' nor our default, a tied head
     python scripts/make_fixtures.py --check-export DIR --expected FILE.npz [--atol 1e-4]
         # GPT2LMHeadModel.from_pretrained(DIR) (a folder blujax.interop.export_hf wrote) on
         # FILE.npz's `tokens` (int [B, T]): its logits against FILE.npz's `logits` ([B, T, V],
@@ -41,6 +44,11 @@ LLAMA_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num
                                   "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 16},
                     bos_token_id=999, eos_token_id=999)
+# Qwen2: theta 50000 (transformers' default is 1e4, ours 1e6: a config read wrong shows).
+QWEN2_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                    rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=True,
+                    use_sliding_window=False, bos_token_id=999, eos_token_id=999)
 TOKENS_SHAPE = (2, 32)
 SEED = 0
 
@@ -68,15 +76,19 @@ def make(out: Path, family: str = "gpt2") -> None:
         config_dict = LLAMA_CONFIG
         config = transformers.LlamaConfig(**config_dict, attn_implementation="eager")
         model = transformers.LlamaForCausalLM(config).float().eval()
+    elif family == "qwen2":
+        config_dict = QWEN2_CONFIG
+        config = transformers.Qwen2Config(**config_dict, attn_implementation="eager")
+        model = transformers.Qwen2ForCausalLM(config).float().eval()
     else:
         config_dict = CONFIG
         config = transformers.GPT2Config(**config_dict, attn_implementation="eager")
         model = transformers.GPT2LMHeadModel(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # tied: one tensor
                 p.normal_(0.0, 0.2)
-            elif name.endswith("norm.weight"):  # Llama's RMSNorm scales
+            elif name.endswith("norm.weight"):  # Llama's and Qwen2's RMSNorm scales
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("wte.weight"):
                 p.normal_(0.0, 0.2)  # the tied head too: logits of a few units
@@ -84,7 +96,7 @@ def make(out: Path, family: str = "gpt2") -> None:
                 p.normal_(0.0, 0.1)
             elif ".ln_" in name and name.endswith(".weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias"):  # GPT-2's, Qwen2's q, k and v
                 p.normal_(0.0, 0.05)
             else:
                 p.normal_(0.0, 0.08)
@@ -149,7 +161,7 @@ def check_export(folder: Path, expected: Path, atol: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2",
+    p.add_argument("--family", choices=("gpt2", "llama", "qwen2"), default="gpt2",
                    help="the model family of the fixture (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None,
                    help="where to write the fixture (default: tests/fixtures/hf_FAMILY_tiny)")

@@ -17,7 +17,7 @@ from blujax.data import DataError, ShardError, TextError
 from blujax.evaluate import eval_tokens, evaluate_loss, loss_batches
 from blujax.model import gpt2, ops as model_ops
 
-CONFIG = gpt2.get_config("tiny")
+CONFIG = gpt2.PRESETS["tiny"]
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,20 @@
 """The model-family seam: every registered family defines what the step, sharding, sampling
 and interop use; every parameter of every preset declares its logical axes, each of which the
-one mapping table (sharding.layout.RULES) knows."""
+one mapping table (sharding.layout.RULES) knows; the shared stack runs every family's blocks
+alike (scan or loop, with or without a KV cache, forward = head(hidden))."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from blujax import model
+from blujax import model, sample
 from blujax.model import family as family_lib
 from blujax.model import gpt2
+from blujax.model import ops as model_ops
 from blujax.sharding import layout as layout_lib
+from tests.util import rel_close
 
 FAMILIES = list(model.FAMILIES.values())
 PRESETS = [(f, name) for f in FAMILIES for name in f.PRESETS]
@@ -89,3 +93,54 @@ def test_configs_round_trip_through_config_json():
     assert model.get_config("tiny") is gpt2.PRESETS["tiny"]
     with pytest.raises(ValueError, match="the presets are"):
         model.get_config("gpt5")
+
+
+def _smallest(family):
+    """The family's preset of fewest parameters, params a little away from init (the norm
+    scales not all one, the biases not all zero)."""
+    def size(config):
+        shapes = jax.eval_shape(lambda k: family.init(config, k), jax.random.key(0))
+        return sum(x.size for x in jax.tree.leaves(shapes))
+
+    config = min(family.PRESETS.values(), key=size)
+    params = family.init(config, jax.random.key(0))
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return config, tree.unflatten([x + 0.02 * jax.random.normal(k, x.shape)
+                                   for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.NAME)
+def test_the_stack_runs_every_family_alike(family):
+    config, params = _smallest(family)
+    ops = model_ops.get("ffi")
+    tokens = jax.random.randint(jax.random.key(2), (2, 24), 0, config.vocab_size)
+    with jax.default_matmul_precision("float32"):
+        scanned = family.forward(params, tokens, config=config, ops=ops, scan_layers=True)
+        looped = family.forward(params, tokens, config=config, ops=ops, scan_layers=False)
+        rel_close(looped, scanned, 1e-6)
+        h = family.hidden(params, tokens, config=config, ops=ops)
+        rel_close(family.head(params, h), scanned, 1e-6)
+        # Prefill then decode one token at a time: the logits of every position again.
+        logits, cache = family.prefill(params, tokens[:, :16], config=config, ops=ops,
+                                       dtype=jnp.float32, length=24)
+        steps = [logits]
+        for at in range(16, 23):
+            logits, cache = family.decode(params, tokens[:, at], at, cache, config=config,
+                                          ops=ops, dtype=jnp.float32)
+            steps.append(logits)
+    kv = getattr(config, "n_kv_head", config.n_head)
+    assert cache[0].shape == (config.n_layer, 2, 24, kv, config.n_embd // config.n_head)
+    rel_close(jnp.stack(steps, axis=1), scanned[:, 15:23], 1e-5)
+    # Greedy sampling with and without the cache agree.
+    kw = dict(config=config, key=jax.random.key(3), max_new_tokens=5, temperature=0.0, ops=ops)
+    np.testing.assert_array_equal(sample.generate(params, tokens[:, :8], **kw),
+                                  sample.generate(params, tokens[:, :8], use_cache=False, **kw))
+
+
+def test_family_of_is_exact():
+    """Qwen2's config derives from Llama's, yet each config finds its own family."""
+    assert model.family_of(model.get_config("qwen2-tiny")).NAME == "qwen2"
+    assert model.family_of(model.get_config("llama-tiny")).NAME == "llama"
+    with pytest.raises(TypeError, match="not the config of a registered model family"):
+        model.family_of(object())

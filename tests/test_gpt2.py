@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import blujax.data
+import blujax.model
 from blujax import sample, train
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
@@ -54,12 +55,12 @@ def test_init_follows_gpt2():
 
 
 def test_presets_and_flops():
-    c = gpt2.get_config("gpt2")
+    c = gpt2.PRESETS["gpt2"]
     n = gpt2.num_params(jax.eval_shape(lambda k: gpt2.init(c, k), jax.random.key(0)))
     assert 124.4e6 < n < 124.5e6  # 124M, with the vocabulary padded to 50304
     assert 854e6 < gpt2.flops_per_token(c, 1024) < 856e6
     with pytest.raises(ValueError, match="presets are"):
-        gpt2.get_config("gpt3")
+        blujax.model.get_config("gpt3")
     with pytest.raises(ValueError, match="multiple of n_head"):
         gpt2.GPT2Config(n_layer=1, n_head=3, n_embd=64)
 
@@ -314,7 +315,7 @@ def test_xla_namespace_is_one_hashable_object():
 def test_generate_on_both_namespaces(use_cache):
     """The tiny preset samples on either namespace (the xla one used to fail as an unhashable
     static argument), and greedy decoding in float32 picks the same tokens on both."""
-    config = gpt2.get_config("tiny")
+    config = gpt2.PRESETS["tiny"]
     params = gpt2.init(config, jax.random.key(3))
     # Larger weights than at init: logits far apart, so the argmax is not a near tie that
     # rounding could flip between the two namespaces.

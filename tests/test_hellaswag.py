@@ -14,7 +14,7 @@ from blujax import data, hellaswag
 from blujax.data import TextError
 from blujax.model import gpt2, ops as model_ops
 
-CONFIG = gpt2.get_config("tiny")  # block_size 128: the long context below is cut
+CONFIG = gpt2.PRESETS["tiny"]  # block_size 128: the long context below is cut
 
 ITEMS = [
     {"ctx": "A man is sitting on a roof. He",

@@ -1,7 +1,9 @@
-"""The Llama family: our kernels against the same model on plain XLA ops, against an independent
-jnp transcription of Hugging Face's LlamaForCausalLM, against transformers itself (the committed
-fixture), the train step on one device and on meshes, sampling with a KV cache of the KV heads,
-and the Hugging Face conversions."""
+"""The Llama family, and what Qwen2 (Llama's block with q/k/v biases) shares with it: our
+kernels against the same model on plain XLA ops, against an independent jnp transcription of
+Hugging Face's LlamaForCausalLM (with Qwen2's biases where the params have them), against
+transformers itself (the committed fixtures), the train step on one device and on meshes,
+sampling with a KV cache of the KV heads, and the Hugging Face conversions. Qwen2's own are
+in test_qwen2.py."""
 
 import functools
 import json
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from blujax import interop, sample, train
-from blujax.model import llama
+from blujax.model import family_of, llama, qwen2
 from blujax.model import ops as model_ops
 from tests.util import rel_close
 
@@ -21,8 +23,11 @@ from tests.util import rel_close
 # into 2; a small vocabulary (padded to 512).
 CONFIG = llama.LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=320,
                            block_size=64, vocab_size=500, padded_vocab_size=512)
+# Qwen2's: untied (the Llama one ties), the biases on q, k and v.
+QWEN2 = qwen2.Qwen2Config(**{**CONFIG.__dict__, "tie_embeddings": False})
+BOTH = pytest.mark.parametrize("config", [CONFIG, QWEN2], ids=["llama", "qwen2"])
 FFI, XLA = model_ops.get("ffi"), model_ops.get("xla")
-FIXTURE = Path(__file__).parent / "fixtures" / "hf_llama_tiny"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +42,9 @@ def _tokens(seed, shape, vocab=CONFIG.vocab_size):
 
 @functools.cache
 def _params(config=CONFIG):
-    """Fresh params plus noise, so the RMSNorm scales are not all one."""
-    params = llama.init(config, jax.random.key(1))
+    """Fresh params plus noise, so the RMSNorm scales are not all one (and biases, where the
+    family has them, not all zero)."""
+    params = family_of(config).init(config, jax.random.key(1))
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     return tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
@@ -47,7 +53,8 @@ def _params(config=CONFIG):
 def _reference_logits(params, tokens, config):
     """LlamaForCausalLM's forward written out in jnp from its definition, sharing no code with
     blujax: RMSNorm (float32 statistics), rotate_half RoPE with theta^(-2i/D) frequencies,
-    repeat_kv, causal softmax attention, SwiGLU, the tied or untied head."""
+    repeat_kv, causal softmax attention, SwiGLU, the tied or untied head; with the q, k and v
+    projections' biases where params has them (Qwen2ForCausalLM's one difference)."""
     D, H, KV = config.head_dim, config.n_head, config.n_kv_head
     B, T = tokens.shape
     eps = config.norm_eps
@@ -66,11 +73,16 @@ def _reference_logits(params, tokens, config):
 
     x = params["wte"][tokens]
     b = params["blocks"]
+
+    def project(h, name, i):
+        bias = b.get("b" + name[1:])
+        return h @ b[name][i] + (0.0 if bias is None else bias[i])
+
     for i in range(config.n_layer):
         h = rms(x, b["attn_norm"][i])
-        q = rotate((h @ b["wq"][i]).reshape(B, T, H, D))
-        k = rotate((h @ b["wk"][i]).reshape(B, T, KV, D))
-        v = (h @ b["wv"][i]).reshape(B, T, KV, D)
+        q = rotate(project(h, "wq", i).reshape(B, T, H, D))
+        k = rotate(project(h, "wk", i).reshape(B, T, KV, D))
+        v = project(h, "wv", i).reshape(B, T, KV, D)
         k, v = (jnp.repeat(t, H // KV, axis=2) for t in (k, v))
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
         s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
@@ -83,20 +95,22 @@ def _reference_logits(params, tokens, config):
     return rms(x, params["norm_f"]) @ head.T
 
 
+@BOTH
 @pytest.mark.parametrize("ops", [FFI, XLA], ids=["ffi", "xla"])
-def test_forward_matches_an_independent_transcription(ops):
+def test_forward_matches_an_independent_transcription(ops, config):
     tokens = _tokens(0, (2, 48))
-    got = llama.forward(_params(), tokens, config=CONFIG, ops=ops)
-    rel_close(got, _reference_logits(_params(), tokens, CONFIG), 1e-5)
+    got = family_of(config).forward(_params(config), tokens, config=config, ops=ops)
+    rel_close(got, _reference_logits(_params(config), tokens, config), 1e-5)
 
 
-def test_loss_and_grads_match_xla():
+@BOTH
+def test_loss_and_grads_match_xla(config):
     tokens = _tokens(3, (2, 33))
 
     def f(ops):
-        return jax.jit(jax.value_and_grad(functools.partial(train.loss_fn, config=CONFIG,
+        return jax.jit(jax.value_and_grad(functools.partial(train.loss_fn, config=config,
                                                             ops=ops)))(
-            _params(), tokens[:, :-1], tokens[:, 1:])
+            _params(config), tokens[:, :-1], tokens[:, 1:])
 
     (loss, grads), (loss_x, grads_x) = f(FFI), f(XLA)
     np.testing.assert_allclose(float(loss), float(loss_x), rtol=1e-6)
@@ -123,13 +137,14 @@ def test_twenty_steps_on_our_kernels_equal_xla():
     np.testing.assert_allclose(losses["ffi"], losses["xla"], rtol=1e-5)
 
 
+@BOTH
 @pytest.mark.parametrize("ops", [FFI, XLA], ids=["ffi", "xla"])
-def test_kv_cache_sampling_equals_full_recompute(ops):
+def test_kv_cache_sampling_equals_full_recompute(ops, config):
     prompt = _tokens(5, (2, 7))
-    kwargs = dict(config=CONFIG, key=jax.random.key(3), max_new_tokens=9, temperature=0.8,
+    kwargs = dict(config=config, key=jax.random.key(3), max_new_tokens=9, temperature=0.8,
                   top_k=20, ops=ops)
-    cached = sample.generate(_params(), prompt, **kwargs)
-    full = sample.generate(_params(), prompt, use_cache=False, **kwargs)
+    cached = sample.generate(_params(config), prompt, **kwargs)
+    full = sample.generate(_params(config), prompt, use_cache=False, **kwargs)
     assert cached.shape == (2, 16)
     np.testing.assert_array_equal(cached, full)
 
@@ -179,32 +194,41 @@ def test_hf_configs_we_cannot_honour_are_refused(change, words):
         llama.config_from_hf({**llama.hf_config(CONFIG), **change})
 
 
-def test_fixture_logits_match_transformers():
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fixture_logits_match_transformers(name):
     """transformers' own LlamaForCausalLM (GQA, RMSNorm scales away from 1, Llama 3 rope
-    scaling, an untied head): its logits from our import, on both namespaces."""
-    if not (FIXTURE / "model.safetensors").is_file():
-        pytest.fail(f"{FIXTURE} is missing: make it with scripts/make_fixtures.py --family llama")
-    pre = interop.load_pretrained(FIXTURE)
-    assert pre.family == "llama" and pre.config.n_kv_head == 1
-    want = np.load(FIXTURE / "expected.npz")
+    scaling, an untied head) and Qwen2ForCausalLM (q/k/v biases, a RoPE theta neither
+    default, a tied head): their logits from our import, on both namespaces."""
+    fixture = FIXTURES / f"hf_{name}_tiny"
+    if not (fixture / "model.safetensors").is_file():
+        pytest.fail(f"{fixture} is missing: make it with scripts/make_fixtures.py --family "
+                    f"{name}")
+    pre = interop.load_pretrained(fixture)
+    assert pre.family == name and pre.config.n_kv_head == 1
+    assert ("lm_head" in pre.params) == (name == "llama")
+    want = np.load(fixture / "expected.npz")
     tokens = jnp.asarray(want["tokens"])
     for ops in (FFI, XLA):
-        logits = llama.forward(jax.device_put(pre.params), tokens, config=pre.config, ops=ops)
+        logits = family_of(pre.config).forward(jax.device_put(pre.params), tokens,
+                                               config=pre.config, ops=ops)
         np.testing.assert_allclose(np.asarray(logits)[..., :pre.config.vocab_size],
                                    want["logits"], atol=2e-5, rtol=1e-5)
 
 
-def test_export_hf_then_import_is_exact(tmp_path):
-    params = jax.tree.map(np.asarray, _params())
-    interop.export_hf(params, CONFIG, tmp_path / "hf", tokenizer=False)
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+@BOTH
+def test_export_hf_then_import_is_exact(tmp_path, config):
+    family = family_of(config)
+    params = jax.tree.map(np.asarray, _params(config))
+    interop.export_hf(params, config, tmp_path / "hf", tokenizer=False)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["model_type"] == family.NAME and hf["num_key_value_heads"] == 2
+    assert hf["architectures"] == [family.HF_ARCHITECTURE]
     back = interop.load_pretrained(tmp_path / "hf")
-    assert back.config == CONFIG
-    a = llama.forward(back.params, _tokens(0, (1, 16)), config=CONFIG, ops=XLA)
-    b = llama.forward(params, _tokens(0, (1, 16)), config=CONFIG, ops=XLA)
+    assert back.config == config
+    a = family.forward(back.params, _tokens(0, (1, 16)), config=config, ops=XLA)
+    b = family.forward(params, _tokens(0, (1, 16)), config=config, ops=XLA)
     # The padded vocabulary rows do not travel (they come back zero).
-    np.testing.assert_array_equal(a[..., :CONFIG.vocab_size], b[..., :CONFIG.vocab_size])
+    np.testing.assert_array_equal(a[..., :config.vocab_size], b[..., :config.vocab_size])
 
 
 def _devices():
@@ -213,16 +237,21 @@ def _devices():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 4), (8, 1, 1)])
-def test_mesh_loss_and_grads_match_one_device(mesh_shape):
+@pytest.mark.parametrize("config,mesh_shape", [
+    (CONFIG, (2, 2, 2)), (CONFIG, (1, 2, 4)), (CONFIG, (8, 1, 1)), (QWEN2, (2, 2, 2)),
+    (QWEN2, (1, 4, 1))], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+    else family_of(x).NAME)
+def test_mesh_loss_and_grads_match_one_device(config, mesh_shape):
+    """Qwen2 on tensor 4: its 2 KV heads (and their biases) replicated over it."""
     from blujax import sharding
     devices = _devices()[:int(np.prod(mesh_shape))]
     mesh = sharding.make_mesh(*mesh_shape, devices=devices)
     tokens = _tokens(3, (8, 33))
     with jax.default_device(devices[0]):
-        f = train.make_value_and_grad(CONFIG, FFI, mesh)
-        loss, grads = f(jax.device_put(_params()), tokens[:, :-1], tokens[:, 1:])
+        f = train.make_value_and_grad(config, FFI, mesh)
+        loss, grads = f(jax.device_put(_params(config)), tokens[:, :-1], tokens[:, 1:])
         loss_1, grads_1 = jax.jit(jax.value_and_grad(functools.partial(
-            train.loss_fn, config=CONFIG, ops=FFI)))(_params(), tokens[:, :-1], tokens[:, 1:])
+            train.loss_fn, config=config, ops=FFI)))(_params(config), tokens[:, :-1],
+                                                     tokens[:, 1:])
     np.testing.assert_allclose(float(loss), float(loss_1), rtol=1e-5)
     rel_close(train.gather(grads), grads_1, 1e-5)

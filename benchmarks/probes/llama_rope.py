@@ -13,13 +13,15 @@ ways, side by side in one run.
              q and k, and turn them on the way in)
 
 Each variant is the same parameters and data through train.make_train_step (ops "ffi", bf16),
-compiled, warmed up and timed as benchmarks/train.py times a step (median of --steps). The
-variants are swapped in for llama._block, one at a time. Needs a GPU to mean anything.
+compiled, warmed up and timed as benchmarks/train.py times a step (median of --steps). Each
+variant is a copy of Llama's stack.Decoder with that block, swapped in for the family's
+forward while the step compiles. Needs a GPU to mean anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 
@@ -33,13 +35,13 @@ from blujax.model import ops as model_ops
 
 
 def _attention_and_mlp(layer, s, q, k, v, *, config, ops, attend, par):
-    a, kv = attend(q, k, v)
+    a, kv = attend.heads(q, k, v)
     a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"])
     h, s = ops.add_rms_norm(a, s, layer["mlp_norm"], eps=config.norm_eps)
     w = layer["w_gate_up"]
     g = par.gather_matmul(h, w.reshape(w.shape[0], -1))
     m = par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:2], 2, -1)), layer["w_down"])
-    return s, m, kv
+    return (s, m), kv
 
 
 def _fused_split(layer, h, par, D):
@@ -50,7 +52,8 @@ def _fused_split(layer, h, par, D):
     return qkv[:, :, :heads], qkv[:, :, heads:heads + kv], qkv[:, :, heads + kv:]
 
 
-def block_separate(layer, s, d, *, config, ops, attend, par, cos, sin):
+def block_separate(layer, carry, *, config, ops, attend, par, rope):
+    (s, d), (cos, sin) = carry, rope
     D = config.head_dim
     h, s = ops.add_rms_norm(d, s, layer["attn_norm"], eps=config.norm_eps)
 
@@ -63,28 +66,30 @@ def block_separate(layer, s, d, *, config, ops, attend, par, cos, sin):
                               config=config, ops=ops, attend=attend, par=par)
 
 
-def block_split(layer, s, d, *, config, ops, attend, par, cos, sin):
+def block_split(layer, carry, *, config, ops, attend, par, rope):
+    (s, d), (cos, sin) = carry, rope
     h, s = ops.add_rms_norm(d, s, layer["attn_norm"], eps=config.norm_eps)
     q, k, v = _fused_split(layer, h, par, config.head_dim)
     return _attention_and_mlp(layer, s, ops.rope(q, cos, sin), ops.rope(k, cos, sin), v,
                               config=config, ops=ops, attend=attend, par=par)
 
 
-def block_no_rope(layer, s, d, *, config, ops, attend, par, cos, sin):
+def block_no_rope(layer, carry, *, config, ops, attend, par, rope):
+    s, d = carry
     h, s = ops.add_rms_norm(d, s, layer["attn_norm"], eps=config.norm_eps)
     q, k, v = _fused_split(layer, h, par, config.head_dim)
     return _attention_and_mlp(layer, s, q, k, v, config=config, ops=ops, attend=attend, par=par)
 
 
-VARIANTS = {"separate": block_separate, "split": block_split, "rope_qkv": llama._block,
+VARIANTS = {"separate": block_separate, "split": block_split, "rope_qkv": llama.model.block,
             "no_rope": block_no_rope}
 
 
 def run_variant(block, config, seq, batch, steps):
     tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype="bf16")
     ops = model_ops.get("ffi")
-    saved = llama._block
-    llama._block = block
+    saved = llama.forward
+    llama.forward = dataclasses.replace(llama.model.DECODER, block=block).forward
     try:
         state = train.init_state(config, tcfg, jax.random.key(0), ops)
         step = train.make_train_step(config, tcfg, ops)
@@ -92,7 +97,7 @@ def run_variant(block, config, seq, batch, steps):
         x, y = tokens[..., :-1], tokens[..., 1:]
         compiled = step.lower(state, x, y).compile()
     finally:
-        llama._block = saved
+        llama.forward = saved
     state, m, step_s = time_steps(compiled, state, x, y, steps)
     del state, compiled
     gc.collect()

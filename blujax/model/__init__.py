@@ -1,23 +1,26 @@
 """Models as pure functions over parameter pytrees; each takes its kernels as an `ops` namespace.
 
-A model family is a module with the names of `family.Family`; FAMILIES registers them, and
-everything above the model layer finds a config's family with `family_of(config)`.
+A model family is a folder (`gpt2/`, `llama/`, `qwen2/`) whose package is its face, the names
+of `family.Family`; FAMILIES registers them, and everything above the model layer finds a
+config's family with `family_of(config)`. What the families share is written once:
+`stack.py` (the block runner, forward, prefill and decode with a KV cache), `convert.py` (the
+checks of conversion), `blujax.vocab` (GPT-2's vocabulary and the padding).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from blujax.model import gpt2, llama
+from blujax.model import gpt2, llama, qwen2
 from blujax.model.family import Family
 
-FAMILIES: dict[str, Family] = {gpt2.NAME: gpt2, llama.NAME: llama}
+FAMILIES: dict[str, Family] = {f.NAME: f for f in (gpt2, llama, qwen2)}
 
 
 def family_of(config) -> Family:
-    """The family module whose Config `config` is."""
+    """The family whose Config `config` is (exactly: Qwen2's config derives from Llama's)."""
     for family in FAMILIES.values():
-        if isinstance(config, family.Config):
+        if type(config) is family.Config:
             return family
     raise TypeError(f"{type(config).__name__} is not the config of a registered model family "
                     f"({', '.join(FAMILIES)})")

@@ -1,9 +1,13 @@
 """The seam between a model family and everything that trains, shards, samples or converts it.
 
-A family is a module (`blujax.model.gpt2`; Llama next) that defines the names of `Family`
-below. The train step, the sharding, the loop, sampling, evaluation, interop and the CLI reach
-a model only through them, by way of `blujax.model.family_of(config)`, so a new family plugs
-in by being registered in `blujax.model.FAMILIES`.
+A family is a folder, `blujax/model/<family>/`: its model (model.py: the config, presets,
+parameters, one block) and beside it its converters (Hugging Face, llm.c, earlier checkpoint
+layouts). The folder's `__init__.py` is the family's face: the names of `Family` below, which
+the train step, the sharding, the loop, sampling, evaluation, interop and the CLI reach through
+`blujax.model.family_of(config)`; a new family plugs in by being registered in
+`blujax.model.FAMILIES`. What every family shares (the block runner, the forward, prefill and
+decode with a KV cache, the conversion checks) is written once, in `blujax.model.stack` and
+`blujax.model.convert`.
 
 Parameters declare their logical axes where they are created: a family's `declare(config,
 key)` returns its params pytree with every leaf a `Param(value, axes)`, one axis name per
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +83,12 @@ def init_and_axes(declare):
 
 
 class Family(Protocol):
-    """What a model family module defines (gpt2.py is the reference).
+    """What a model family's face (`blujax/model/<family>/__init__.py`) defines.
 
-    NAME: its name ("gpt2"), the key of blujax.model.FAMILIES and config.json's "family";
-      TITLE: how messages name it ("GPT-2").
-    Config: its frozen config dataclass, with at least block_size, vocab_size and
-      padded_vocab_size; PRESETS: {name: Config}.
+    NAME: its name ("gpt2"), the key of blujax.model.FAMILIES, config.json's "family" and
+      Hugging Face's model_type; TITLE: how messages name it ("GPT-2").
+    Config: its frozen config dataclass, derived from blujax.model.stack.Config (n_layer,
+      n_head, n_embd, block_size, vocab_size, padded_vocab_size); PRESETS: {name: Config}.
     declare(config, key): the params pytree of Params (values float32); init(config, key):
       its values; logical_axes(config): its axes.
     forward(params, tokens, *, config, ops, dtype, remat=False, parallel=None,
@@ -94,15 +98,18 @@ class Family(Protocol):
       [B, T, C]; head(params, h, *, dtype): their logits (forward = head(hidden)).
     prefill(params, prompt, *, config, ops, dtype, length) -> (logits of the last position,
       cache of `length` positions); decode(params, tokens [B], at, cache, *, config, ops,
-      dtype) -> (logits [B, V], cache): sampling with a KV cache.
+      dtype) -> (logits [B, V], cache): sampling with a KV cache. (forward to decode are one
+      `blujax.model.stack.Decoder`'s.)
     check_tokens(tokens, config); check_mesh(config, sizes): ValueError for a mesh
       ({"data", "tensor", "context"} sizes) the model does not split over.
     decay_mask(params): True for the leaves AdamW decays.
     flops_per_token(config, seq_len): training FLOPs per token (for MFU).
-    config_from_hf, hf_config, to_hf, from_hf (and to_llmc, from_llmc, llmc_shapes where the
-      family has an llm.c format): blujax.interop's conversions.
+    config_from_hf, hf_config, to_hf, from_hf: its Hugging Face converter (blujax.interop
+      reads and writes the files); HF_ARCHITECTURE: the transformers class it matches
+      ("GPT2LMHeadModel"). to_llmc, from_llmc, llmc_shapes where the family has an llm.c
+      format.
     Optional: legacy_params(params) / upgrade_params(params), to and from the parameter layout
-      of checkpoints an earlier blujax wrote, which `train --resume`, eval and sample convert.
+      of checkpoints an earlier blujax wrote, which restoring converts.
     Optional: whole_axes(config, sizes): the logical axes that RULES splits over "tensor" but
       this config keeps whole (replicated) on a mesh of these sizes (Llama's "kv_heads" where
       n_kv_head does not divide by "tensor"); the layout (sharding.Layout.of's `whole`) and the
@@ -116,9 +123,20 @@ class Family(Protocol):
 
 
 # The names a Family module must define (tests check every registered family has them).
-REQUIRED = ("NAME", "TITLE", "Config", "PRESETS", "declare", "init", "logical_axes", "forward",
-            "hidden", "head", "prefill", "decode", "check_tokens", "check_mesh", "decay_mask",
-            "flops_per_token", "config_from_hf", "hf_config", "to_hf", "from_hf")
+REQUIRED = ("NAME", "TITLE", "HF_ARCHITECTURE", "Config", "PRESETS", "declare", "init",
+            "logical_axes", "forward", "hidden", "head", "prefill", "decode", "check_tokens",
+            "check_mesh", "decay_mask", "flops_per_token", "config_from_hf", "hf_config",
+            "to_hf", "from_hf")
+
+
+class Attend(NamedTuple):
+    """How a block attends, in the form its projection gives: `fused(qkv)` of a fused
+    projection's [B, T, 3, H, D] (its gradient comes back as one tensor), or `heads(q, k, v)`
+    of q [B, T, H, D] over k, v [B, T, KV, D] (grouped-query attention: KV divides H). Each
+    returns (the output [B, T, H, D], the layer's (k, v) as a KV cache keeps them)."""
+
+    fused: Callable
+    heads: Callable
 
 
 class OneDevice:
@@ -131,12 +149,10 @@ class OneDevice:
     positions: the same for the tokens a column-parallel product's output holds (all T, where
     a sequence-parallel run splits the residual stream further: rotary tables). gather_matmul: a
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
-    product, its partial sums reduced. attend(ops): the attention function, of the fused
-    projection's qkv [B, T, 3, H, D] -> (output [B, T, H, D], the layer's (k, v));
-    attend_heads(ops): the same for q [B, T, H, D] and k, v [B, T, KV, D] of KV heads (grouped-
-    query attention; on a mesh, this device's query heads, and its key/value heads or all of
-    them where the layout keeps "kv_heads" whole). loss: this device's share (sum / n_tokens)
-    of the mean cross-entropy of logits [N, V] against [N].
+    product, its partial sums reduced. attention(ops): the causal attention of a block, an
+    `Attend` (on a mesh, of this device's query heads, and its key/value heads or all of them
+    where the layout keeps "kv_heads" whole). loss: this device's share (sum / n_tokens) of the
+    mean cross-entropy of logits [N, V] against [N].
     """
 
     @staticmethod
@@ -164,12 +180,8 @@ class OneDevice:
         return x @ w
 
     @staticmethod
-    def attend(ops):
-        return partial(causal_attention, ops)
-
-    @staticmethod
-    def attend_heads(ops):
-        return partial(heads_attention, ops)
+    def attention(ops):
+        return Attend(partial(causal_attention, ops), partial(heads_attention, ops))
 
     @staticmethod
     def loss(ops, logits, targets, *, num_classes, n_tokens):
@@ -192,7 +204,8 @@ def heads_attention(ops, q, k, v):
 
 
 def check_tokens(family: str, tokens, block_size: int):
-    """Int tokens [batch, time] with 1 <= time <= block_size; a clear error otherwise."""
+    """Int tokens [batch, time] with 1 <= time <= block_size; a clear error otherwise (`family`
+    names the model in it)."""
     if not hasattr(tokens, "ndim") or tokens.ndim != 2:
         raise ValueError(f"{family}: tokens must be [batch, time], got shape "
                          f"{getattr(tokens, 'shape', type(tokens).__name__)}")

@@ -8,7 +8,7 @@ shard_optimizer=True (ZeRO-1), where AdamW's moments (and the update) are also s
 "data" along one axis of each leaf (`zero_axis`). A family may keep some of its logical axes
 whole for a given mesh (`whole`, from its optional `whole_axes(config, sizes)`): Llama's key /
 value heads where n_kv_head does not divide by "tensor" are replicated over it instead, each
-device computing all of them (`Parallel.attend_heads` picks the ones its query heads use).
+device computing all of them (`Parallel.attention` picks the ones its query heads use).
 
 On one device (mesh None) a Layout has no mesh axes and every collective below is the
 identity: the train step is the same code on one device and on any mesh.

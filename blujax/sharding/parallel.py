@@ -1,4 +1,4 @@
-"""`gpt2.forward`'s hooks for per-device code inside the train step's shard_map.
+"""A model's hooks for per-device code inside the train step's shard_map.
 
 On one device the hooks do nothing (blujax.model.family.ONE_DEVICE, which documents them). Here, on a ("data", "tensor",
 "context") mesh, each device holds B / data sequences of T / context tokens (zig-zag chunks,
@@ -20,11 +20,12 @@ see ring.py), and:
   so JAX's transpose of that cast (a psum) reduces each layer's gradient in the backward as
   soon as it exists, where it can overlap the backward of the layers below it. Without it the
   step reduces all gradients once, after the backward (and after the last micro-batch).
-- attend: ring attention over "context" (plain causal attention when it has size 1).
-  attend_heads (grouped-query attention, q [B, T, H, D] over k, v [B, T, KV, D]): the same;
-  where the layout keeps the key/value heads whole (`whole` holds "kv_heads": n_kv_head does
-  not divide by "tensor", so wk and wv are replicated over it and every device computes all
-  the KV heads), each device first picks the KV heads its own query heads use (`_local_kv`).
+- attention: ring attention over "context" (plain causal attention when it has size 1), of
+  a fused projection or of grouped-query heads (q [B, T, H, D] over k, v [B, T, KV, D]);
+  for the latter, where the layout keeps the key/value heads whole (`whole` holds
+  "kv_heads": n_kv_head does not divide by "tensor", so wk and wv are replicated over it and
+  every device computes all the KV heads), each device first picks the KV heads its own
+  query heads use (`_local_kv`).
 - loss: the vocabulary-parallel cross-entropy of the device's logits columns.
 """
 
@@ -36,7 +37,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from blujax.model.family import causal_attention, heads_attention
+from blujax.model.family import Attend, causal_attention, heads_attention
 from blujax.sharding.mesh import AXES, CONTEXT, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
@@ -99,17 +100,15 @@ class Parallel:
             return _matmul_reduce(x, w, self.tensor)
         return jax.lax.psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True)
 
-    def attend(self, ops):
+    def attention(self, ops) -> Attend:
         if self.context == 1:
-            return partial(causal_attention, ops)
-        return partial(_ring, ops, self.context)
-
-    def attend_heads(self, ops):
-        attend = (partial(heads_attention, ops) if self.context == 1
-                  else partial(_ring_heads, ops, self.context))
+            fused, heads = partial(causal_attention, ops), partial(heads_attention, ops)
+        else:
+            fused, heads = partial(_ring, ops, self.context), partial(_ring_heads, ops,
+                                                                      self.context)
         if "kv_heads" in self.whole and self.tensor > 1:
-            return partial(_attend_local_kv, attend, self.tensor)
-        return attend
+            heads = partial(_attend_local_kv, heads, self.tensor)
+        return Attend(fused, heads)
 
     @staticmethod
     def loss(ops, logits, targets, *, num_classes, n_tokens):
