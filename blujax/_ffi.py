@@ -1,4 +1,5 @@
-"""Loads blujax's compiled kernel libraries once and registers their XLA FFI targets.
+"""Loads blujax's compiled kernel libraries once, when blujax is imported, and registers their
+XLA FFI targets.
 
 `blujax._cpu` is always built; `blujax._cuda` where the build found nvcc and a GPU, or was asked
 for it (BLUJAX_CUDA=ON). Each library exports {target name: handler capsule}; the same target
@@ -68,3 +69,10 @@ def require_kernels(op: str) -> None:
             f"blujax.{op}: JAX runs on a GPU but blujax was built without its CUDA kernels "
             f"(blujax._cuda: {missing.get('cuda')}).\n{_REBUILD_HINT}"
         )
+
+
+# At import, not when the first op traces: a program that names a target itself
+# (jax.ffi.ffi_call("blujax_adamw", ...)) finds it whatever ran before it. Registering starts no
+# backend (XLA keeps it until the platform's client is made), so jax may still be configured
+# after `import blujax`.
+_load()

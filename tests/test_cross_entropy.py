@@ -643,7 +643,7 @@ def test_loss_grad_handler_rejects_inconsistent_buffers(rng, case):
         "num_classes": lambda: call((r4, out), x, t, one, ignore_index=np.int64(-1),
                                     num_classes=np.int64(0)),
     }
-    with pytest.raises(Exception, match="blujax_cross_entropy_loss_grad"):
+    with pytest.raises(Exception, match="blujax_cross_entropy_loss_grad: "):
         jax.block_until_ready(calls[case]())
 
 
@@ -748,7 +748,7 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
         "dlogits_dtype": lambda: _raw(bwd, sds((4, 8), jnp.bfloat16), x, t, row, row, s0,
                                       ignore_index=ig, num_classes=nc),
     }
-    with pytest.raises(Exception, match="blujax_cross_entropy_(fwd|stats|bwd)"):
+    with pytest.raises(Exception, match="blujax_cross_entropy_(fwd|stats|bwd): "):
         jax.block_until_ready(calls[case]())
 
 

@@ -2,6 +2,8 @@
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,29 @@ def test_every_cpu_target_has_a_cuda_twin():
     # In the sources too: a machine without a GPU builds no blujax._cuda (BLUJAX_CUDA=AUTO).
     assert _registered_in("cpu/*.cc") == cpu
     assert _registered_in("cuda/*.cu") == cpu
+
+
+# A program that names a target itself, before any op has traced: importing blujax registered
+# it, so the handler answers (its own message, the same on either platform), not XLA's "No FFI
+# handler registered". A fresh process, since this one registered everything long ago.
+_RAW_CALL_FIRST = """
+import jax, numpy as np
+import blujax
+x = np.ones((4, 8), np.float32)
+call = jax.ffi.ffi_call("blujax_adamw", [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 3)
+try:
+    jax.jit(lambda *a: call(*a, b1=1.0, b2=0.9, eps=1e-8, apply=False))(np.ones(5, np.float32),
+                                                                       x, x, x, x)
+except Exception as e:
+    print(e)
+"""
+
+
+def test_targets_are_registered_at_import():
+    run = subprocess.run([sys.executable, "-c", _RAW_CALL_FIRST], capture_output=True, text=True,
+                         timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    assert "blujax_adamw: b1 must be in [0, 1), got 1" in run.stdout, run.stdout
 
 
 def test_lowers_to_our_custom_call_for_cuda_without_a_gpu():

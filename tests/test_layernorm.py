@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from blujax import kernels as ops
-from blujax._ffi import require_kernels
 from blujax.kernels import xla as spec
 from tests.util import assert_close, cpu_float64, mesh_devices, randn
 
@@ -309,14 +308,13 @@ def test_handler_rejects_inconsistent_buffers(rng, case):
                                 sds((8,), jnp.float32), sds((8,), jnp.float32),
                                 sds((1, 2, 8), jnp.float32)), x, x, w, x[:, 0], x[:, 0]),
     }
-    with pytest.raises(Exception, match="blujax_layer_norm_(fwd|bwd)"):
+    with pytest.raises(Exception, match="blujax_layer_norm_(fwd|bwd): "):
         jax.block_until_ready(calls[case]())
 
 
 @pytest.mark.parametrize("case", ["x_bias_size", "x_bias_dtype", "residual_size", "sum_dtype",
                                   "dsum_size", "dx_bias_size", "dx_bias_dtype", "workspace"])
 def test_add_bias_handler_rejects_inconsistent_buffers(rng, case):
-    require_kernels("add_layer_norm")  # registers the targets, so the handler itself answers
     x = randn(rng, (4, 8), jnp.float32)
     w, b = _params(rng, 8, jnp.float32)
     sds = jax.ShapeDtypeStruct
