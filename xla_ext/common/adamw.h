@@ -119,4 +119,15 @@ inline ffi::Error CollectAdamWTensors(const char* op, const ffi::AnyBuffer& hpar
   return ffi::Error::Success();
 }
 
+// Every operand, result and attribute of blujax_adamw, as both platforms' handlers take them.
+// allow_f64: the backend runs float64 (the CPU). On success `tensors` holds one entry per
+// tensor and `param` the parameter dtype they share.
+inline ffi::Error CheckAdamW(const char* op, bool allow_f64, const ffi::AnyBuffer& hparams,
+                             const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                             double b1, double b2, double eps, ffi::DataType* param,
+                             std::vector<AdamWTensor>* tensors) {
+  BLUJAX_RETURN_IF_ERROR(CheckAdamWAttrs(op, b1, b2, eps));
+  return CollectAdamWTensors(op, hparams, args, rets, allow_f64, param, tensors);
+}
+
 }  // namespace blujax

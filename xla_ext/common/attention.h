@@ -178,17 +178,6 @@ inline ffi::Error CheckAttentionBwdOperands(const char* op, const ffi::AnyBuffer
   return CheckAttentionDelta(op, delta, q.element_type(), d, sum_dq);
 }
 
-// Everything a backward handler takes but its gradient results (fills dims).
-inline ffi::Error CheckAttentionBwd(const char* op, const ffi::AnyBuffer& q,
-                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                                    const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
-                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
-                                    const ffi::AnyBuffer& delta, bool causal, double scale,
-                                    bool sum_dq, bool allow_f64, AttentionDims* d) {
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
-  return CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d, sum_dq);
-}
-
 // dq, dk, dv like q, k, v.
 inline ffi::Error CheckAttentionGrads(const char* op, const ffi::AnyBuffer& q,
                                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -216,6 +205,47 @@ inline ffi::Error CheckAttentionQkvGrad(const char* op, const ffi::AnyBuffer& q,
                            ", ", d.q_len, ", 3, ", d.heads, ", ", d.head_dim,
                            "] ([B, T, 3, H, D])");
   return ffi::Error::Success();
+}
+
+// Every operand, result and attribute of blujax_attention_fwd, as both platforms' handlers
+// take them. allow_f64: the backend runs float64 (the CPU). Fills d.
+inline ffi::Error CheckAttentionFwd(const char* op, bool allow_f64, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                    const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                    const ffi::AnyBuffer& counter, bool causal, double scale,
+                                    AttentionDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", out, "q", q));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", lse, q.element_type(), *d));
+  return CheckAttentionCounter(op, counter);
+}
+
+// The same for blujax_attention_bwd.
+inline ffi::Error CheckAttentionBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                    const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                    const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
+                                    const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                                    const ffi::AnyBuffer& dv, const ffi::AnyBuffer& delta,
+                                    bool causal, double scale, bool sum_dq, AttentionDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d,
+                                                   sum_dq));
+  return CheckAttentionGrads(op, q, k, v, dq, dk, dv);
+}
+
+// The same for blujax_attention_qkv_bwd.
+inline ffi::Error CheckAttentionQkvBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& q,
+                                       const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                       const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                       const ffi::AnyBuffer& dout, const ffi::AnyBuffer& dlse,
+                                       const ffi::AnyBuffer& dqkv, const ffi::AnyBuffer& delta,
+                                       bool causal, double scale, bool sum_dq,
+                                       AttentionDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, allow_f64, d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwdOperands(op, q, out, lse, dout, dlse, delta, *d,
+                                                   sum_dq));
+  return CheckAttentionQkvGrad(op, q, dqkv, *d);
 }
 
 }  // namespace blujax

@@ -133,15 +133,63 @@ inline ffi::Error CheckNumClasses(const char* op, int64_t num_classes) {
   return ffi::Error::Success();
 }
 
-// Every buffer of blujax_cross_entropy_loss_grad (both platforms' handlers): the logits' shape
-// and how many rows share each scale value.
-inline ffi::Error CheckCrossEntropyLossGrad(const char* op, const ffi::AnyBuffer& logits,
+// Every operand, result and attribute of blujax_cross_entropy_fwd, as both platforms' handlers
+// take them (ignore_index takes any value). allow_f64: the backend runs float64 (the CPU).
+// Fills shape.
+inline ffi::Error CheckCrossEntropyFwd(const char* op, bool allow_f64,
+                                       const ffi::AnyBuffer& logits,
+                                       const ffi::AnyBuffer& targets, const ffi::AnyBuffer& loss,
+                                       const ffi::AnyBuffer& lse, int64_t num_classes,
+                                       CrossEntropyShape* shape) {
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, allow_f64, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", loss, logits, *shape));
+  return CheckCrossEntropyRowValues(op, "lse", lse, logits, *shape);
+}
+
+// The same for blujax_cross_entropy_stats; also how many rows share each vocab_start value.
+inline ffi::Error CheckCrossEntropyStats(const char* op, bool allow_f64,
+                                         const ffi::AnyBuffer& logits,
+                                         const ffi::AnyBuffer& targets,
+                                         const ffi::AnyBuffer& vocab_start,
+                                         const ffi::AnyBuffer& row_max,
+                                         const ffi::AnyBuffer& sum_exp,
+                                         const ffi::AnyBuffer& target_logit, int64_t num_classes,
+                                         CrossEntropyShape* shape, int64_t* rows_per_start) {
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, allow_f64, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, *shape, rows_per_start));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "row_max", row_max, logits, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "sum_exp", sum_exp, logits, *shape));
+  return CheckCrossEntropyRowValues(op, "target_logit", target_logit, logits, *shape);
+}
+
+// The same for blujax_cross_entropy_bwd; also how many rows share each vocab_start value.
+inline ffi::Error CheckCrossEntropyBwd(const char* op, bool allow_f64,
+                                       const ffi::AnyBuffer& logits,
+                                       const ffi::AnyBuffer& targets, const ffi::AnyBuffer& lse,
+                                       const ffi::AnyBuffer& g, const ffi::AnyBuffer& vocab_start,
+                                       const ffi::AnyBuffer& dlogits, int64_t num_classes,
+                                       CrossEntropyShape* shape, int64_t* rows_per_start) {
+  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, allow_f64, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", lse, logits, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "g", g, logits, *shape));
+  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, *shape, rows_per_start));
+  return CheckLike(op, "dlogits", dlogits, "logits", logits);
+}
+
+// The same for blujax_cross_entropy_loss_grad; also how many rows share each scale value.
+inline ffi::Error CheckCrossEntropyLossGrad(const char* op, bool allow_f64,
+                                            const ffi::AnyBuffer& logits,
                                             const ffi::AnyBuffer& targets,
                                             const ffi::AnyBuffer& scale,
                                             const ffi::AnyBuffer& loss,
                                             const ffi::AnyBuffer& dlogits, int64_t num_classes,
-                                            bool allow_f64, CrossEntropyShape* shape,
-                                            int64_t* rows_per_scale) {
+                                            CrossEntropyShape* shape, int64_t* rows_per_scale) {
   BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, allow_f64, shape));
   BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, *shape));

@@ -121,6 +121,12 @@ inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
   return true;
 }
 
+// The buffer of an optional result, or null where the target has no such result (the checks
+// below take operands and results alike as buffers).
+inline const ffi::AnyBuffer* OptionalResult(const ffi::Result<ffi::AnyBuffer>* r) {
+  return r ? &**r : nullptr;
+}
+
 // Same dtype and shape as `like` (a result shaped like an operand, or two operands that must
 // match).
 inline ffi::Error CheckLike(const char* op, const char* name, const ffi::AnyBuffer& b,

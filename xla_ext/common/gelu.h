@@ -53,4 +53,33 @@ inline ffi::Error CheckGeluWorkspace(const char* op, const ffi::AnyBuffer& ws, i
   return ffi::Error::Success();
 }
 
+// Every operand and result of a forward target, as both platforms' handlers take them:
+// blujax_gelu_fwd (bias null) or blujax_bias_gelu_fwd. allow_f64: the backend runs float64 (the
+// CPU). Fills rc.
+inline ffi::Error CheckGeluFwd(const char* op, bool allow_f64, const ffi::AnyBuffer& x,
+                               const ffi::AnyBuffer* bias, const ffi::AnyBuffer& y,
+                               RowsCols* rc) {
+  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, allow_f64, rc));
+  if (bias) BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, rc->cols));
+  return CheckLike(op, "y", y, "x", x);
+}
+
+// The same for a backward target: blujax_gelu_bwd (bias, dbias and workspace null) or
+// blujax_bias_gelu_bwd. Fills rc, and partials with the workspace's partial rows P (0 without
+// bias).
+inline ffi::Error CheckGeluBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& dy,
+                               const ffi::AnyBuffer& x, const ffi::AnyBuffer* bias,
+                               const ffi::AnyBuffer& dx, const ffi::AnyBuffer* dbias,
+                               const ffi::AnyBuffer* workspace, RowsCols* rc,
+                               int64_t* partials) {
+  *partials = 0;
+  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, allow_f64, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", dx, "x", x));
+  if (!bias) return ffi::Error::Success();
+  BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "dbias", *dbias, x, rc->cols));
+  return CheckGeluWorkspace(op, *workspace, rc->cols, partials);
+}
+
 }  // namespace blujax

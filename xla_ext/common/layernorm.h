@@ -76,4 +76,53 @@ inline ffi::Error CheckLayerNormWorkspace(const char* op, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// Every operand, result and attribute of a forward target, as both platforms' handlers take
+// them: blujax_layer_norm_fwd (x_bias, residual and sum null), blujax_add_layer_norm_fwd (x_bias
+// null) or blujax_add_bias_layer_norm_fwd. allow_f64: the backend runs float64 (the CPU). Fills
+// rc.
+inline ffi::Error CheckLayerNormFwd(const char* op, bool allow_f64, const ffi::AnyBuffer& x,
+                                    const ffi::AnyBuffer* x_bias, const ffi::AnyBuffer* residual,
+                                    const ffi::AnyBuffer& weight, const ffi::AnyBuffer& bias,
+                                    const ffi::AnyBuffer& y, const ffi::AnyBuffer* sum,
+                                    const ffi::AnyBuffer& mean, const ffi::AnyBuffer& rstd,
+                                    float eps, RowsCols* rc) {
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, allow_f64, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckEps(op, eps));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "bias", bias, x, rc->cols));
+  if (x_bias) BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "x_bias", *x_bias, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", y, "x", x));
+  if (residual) {
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", *sum, "x", x));
+  }
+  return CheckLayerNormStats(op, mean, rstd, x, rc->rows);
+}
+
+// The same for a backward target: blujax_layer_norm_bwd (dsum and dx_bias null),
+// blujax_add_layer_norm_bwd (dx_bias null) or blujax_add_bias_layer_norm_bwd; x is the saved
+// sum for the add variants. Fills rc, and partials with the workspace's partial rows P.
+inline ffi::Error CheckLayerNormBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& dy,
+                                    const ffi::AnyBuffer* dsum, const ffi::AnyBuffer& x,
+                                    const ffi::AnyBuffer& weight, const ffi::AnyBuffer& mean,
+                                    const ffi::AnyBuffer& rstd, const ffi::AnyBuffer& dx,
+                                    const ffi::AnyBuffer& dweight, const ffi::AnyBuffer& dbias,
+                                    const ffi::AnyBuffer* dx_bias,
+                                    const ffi::AnyBuffer& workspace, RowsCols* rc,
+                                    int64_t* partials) {
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, allow_f64, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
+  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, mean, rstd, x, rc->rows));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", dx, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dweight", dweight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dbias", dbias, x, rc->cols));
+  if (dx_bias) {
+    if (!dsum) return InvalidArgument(op, ": dx_bias needs dsum");  // not reachable from a target
+    BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dx_bias", *dx_bias, x, rc->cols));
+  }
+  return CheckLayerNormWorkspace(op, workspace, rc->cols, partials, dx_bias ? 3 : 2);
+}
+
 }  // namespace blujax

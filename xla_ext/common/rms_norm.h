@@ -71,4 +71,40 @@ inline ffi::Error CheckRmsNormWorkspace(const char* op, const ffi::AnyBuffer& ws
   return ffi::Error::Success();
 }
 
+// Every operand, result and attribute of a forward target, as both platforms' handlers take
+// them: blujax_rms_norm_fwd (residual and sum null) or blujax_add_rms_norm_fwd. allow_f64: the
+// backend runs float64 (the CPU). Fills rc.
+inline ffi::Error CheckRmsNormFwd(const char* op, bool allow_f64, const ffi::AnyBuffer& x,
+                                  const ffi::AnyBuffer* residual, const ffi::AnyBuffer& weight,
+                                  const ffi::AnyBuffer& y, const ffi::AnyBuffer* sum,
+                                  const ffi::AnyBuffer& rstd, double eps, RowsCols* rc) {
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, allow_f64, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormEps(op, eps));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", y, "x", x));
+  if (residual) {
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
+    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", *sum, "x", x));
+  }
+  return CheckRmsNormRstd(op, rstd, x, rc->rows);
+}
+
+// The same for a backward target: blujax_rms_norm_bwd (dsum null) or blujax_add_rms_norm_bwd,
+// whose x is the saved sum. Fills rc, and partials with the workspace's partial rows P.
+inline ffi::Error CheckRmsNormBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& dy,
+                                  const ffi::AnyBuffer* dsum, const ffi::AnyBuffer& x,
+                                  const ffi::AnyBuffer& weight, const ffi::AnyBuffer& rstd,
+                                  const ffi::AnyBuffer& dx, const ffi::AnyBuffer& dweight,
+                                  const ffi::AnyBuffer& workspace, RowsCols* rc,
+                                  int64_t* partials) {
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, allow_f64, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
+  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, rstd, x, rc->rows));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", dx, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "dweight", dweight, x, rc->cols));
+  return CheckRmsNormWorkspace(op, workspace, rc->cols, partials);
+}
+
 }  // namespace blujax

@@ -72,11 +72,14 @@ inline ffi::Error CheckRopeTable(const char* op, const char* name, const ffi::An
   return ffi::Error::Success();
 }
 
-// x, cos, sin, and the result checked together.
-inline ffi::Error CheckRope(const char* op, const char* in_name, const ffi::AnyBuffer& x,
+// Every operand and result of blujax_rope_fwd (x, cos, sin -> y) or, inverse,
+// blujax_rope_bwd (dy, cos, sin -> dx), as both platforms' handlers take them. allow_f64: the
+// backend runs float64 (the CPU). Fills d.
+inline ffi::Error CheckRope(const char* op, bool allow_f64, bool inverse, const ffi::AnyBuffer& x,
                             const ffi::AnyBuffer& cos, const ffi::AnyBuffer& sin,
-                            const char* out_name, const ffi::AnyBuffer& y, bool allow_f64,
-                            RopeDims* d) {
+                            const ffi::AnyBuffer& y, RopeDims* d) {
+  const char* in_name = inverse ? "dy" : "x";
+  const char* out_name = inverse ? "dx" : "y";
   BLUJAX_RETURN_IF_ERROR(CheckRopeInput(op, in_name, x, allow_f64, d));
   const bool f64 = allow_f64 && x.element_type() == ffi::DataType::F64;
   BLUJAX_RETURN_IF_ERROR(CheckRopeTable(op, "cos", cos, x, *d, f64));
@@ -114,14 +117,16 @@ inline RopeLayout WholeRope(const RopeDims& d) {
   return l;
 }
 
-// rope_qkv: `whole` is qkv [..., T, H + 2 KV, D] (the forward's input, the backward's result);
-// q, k, v (dq, dk, dv) are [..., T, H, D], [..., T, KV, D], [..., T, KV, D] with the same
-// leading axes and dtype. split: the forward (whole -> parts), else the backward.
-inline ffi::Error CheckRopeQkv(const char* op, const ffi::AnyBuffer& whole, const char* whole_name,
-                               const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                               const ffi::AnyBuffer& v, const ffi::AnyBuffer& cos,
-                               const ffi::AnyBuffer& sin, bool allow_f64, bool split,
+// Every operand and result of rope_qkv, as both platforms' handlers take them: `whole` is qkv
+// [..., T, H + 2 KV, D] (the forward's input, the backward's result dqkv); q, k, v (dq, dk, dv)
+// are [..., T, H, D], [..., T, KV, D], [..., T, KV, D] with the same leading axes and dtype.
+// split: blujax_rope_qkv_fwd (whole -> parts), else blujax_rope_qkv_bwd. Fills layout.
+inline ffi::Error CheckRopeQkv(const char* op, bool allow_f64, bool split,
+                               const ffi::AnyBuffer& whole, const ffi::AnyBuffer& q,
+                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                               const ffi::AnyBuffer& cos, const ffi::AnyBuffer& sin,
                                RopeLayout* layout) {
+  const char* whole_name = split ? "qkv" : "dqkv";
   RopeDims& d = layout->dims;
   BLUJAX_RETURN_IF_ERROR(CheckRopeInput(op, whole_name, whole, allow_f64, &d));
   const bool f64 = allow_f64 && whole.element_type() == ffi::DataType::F64;

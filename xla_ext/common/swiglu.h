@@ -53,4 +53,21 @@ inline ffi::Error CheckSwigluHalf(const char* op, const char* name, const ffi::A
   return ffi::Error::Success();
 }
 
+// Every operand and result of blujax_swiglu_fwd, as both platforms' handlers take them.
+// allow_f64: the backend runs float64 (the CPU). Fills d.
+inline ffi::Error CheckSwigluFwd(const char* op, bool allow_f64, const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer& y, SwigluDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, allow_f64, d));
+  return CheckSwigluHalf(op, "y", y, x);
+}
+
+// The same for blujax_swiglu_bwd.
+inline ffi::Error CheckSwigluBwd(const char* op, bool allow_f64, const ffi::AnyBuffer& dy,
+                                 const ffi::AnyBuffer& x, const ffi::AnyBuffer& dx,
+                                 SwigluDims* d) {
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, allow_f64, d));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
+  return CheckLike(op, "dx", dx, "x", x);
+}
+
 }  // namespace blujax

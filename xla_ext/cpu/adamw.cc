@@ -56,11 +56,10 @@ void AdamWTensorStep(const AdamWTensor& t, const typename Compute<T>::type* hpar
 ffi::Error AdamW(ffi::AnyBuffer hparams, ffi::RemainingArgs args, ffi::RemainingRets rets,
                  double b1, double b2, double eps, bool apply) {
   constexpr const char* op = "blujax_adamw";
-  BLUJAX_RETURN_IF_ERROR(CheckAdamWAttrs(op, b1, b2, eps));
   ffi::DataType param;
   std::vector<AdamWTensor> tensors;  // per call: XLA:CPU may run several calls at once
   BLUJAX_RETURN_IF_ERROR(
-      CollectAdamWTensors(op, hparams, args, rets, /*allow_f64=*/true, &param, &tensors));
+      CheckAdamW(op, /*allow_f64=*/true, hparams, args, rets, b1, b2, eps, &param, &tensors));
   const float* hp32 = static_cast<const float*>(hparams.untyped_data());
   const double* hp64 = static_cast<const double*>(hparams.untyped_data());
   for (const AdamWTensor& t : tensors) {

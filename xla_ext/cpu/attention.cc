@@ -203,10 +203,8 @@ ffi::Error AttentionFwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Result<ffi::AnyBuffer> counter, bool causal, double scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", *out, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));  // the GPU's scratch
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionFwd(op, /*allow_f64=*/true, q, k, v, *out, *lse, *counter,
+                                           causal, scale, &d));
   return DispatchFloat(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
@@ -241,9 +239,8 @@ ffi::Error AttentionBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
   // sum_dq is the GPU's choice of kernels; here it only sets the workspace's size.
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, sum_dq, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, /*allow_f64=*/true, q, k, v, out, lse, dout, dlse,
+                                           *dq, *dk, *dv, *delta, causal, scale, sum_dq, &d));
   return AttentionBwdImpl(op, q, k, v, out, lse, dout, dlse, dq->untyped_data(),
                           dk->untyped_data(), dv->untyped_data(), d.heads * d.head_dim,
                           d.kv_heads * d.head_dim, &*delta, d, causal, scale);
@@ -256,9 +253,8 @@ ffi::Error AttentionQkvBwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            bool sum_dq) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, sum_dq, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvBwd(op, /*allow_f64=*/true, q, k, v, out, lse, dout,
+                                              dlse, *dqkv, *delta, causal, scale, sum_dq, &d));
   // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
   const int64_t third = d.heads * d.head_dim * ffi::ByteWidth(q.element_type());
   char* base = static_cast<char*>(dqkv->untyped_data());

@@ -152,12 +152,9 @@ ffi::Error CrossEntropyFwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
                            ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                            int64_t ignore_index, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_fwd";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", *lse, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyFwd(op, /*allow_f64=*/true, logits, targets, *loss, *lse,
+                                              num_classes, &shape));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
@@ -172,16 +169,11 @@ ffi::Error CrossEntropyStats(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::A
                              ffi::Result<ffi::AnyBuffer> sum_exp,
                              ffi::Result<ffi::AnyBuffer> target_logit, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_stats";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
   int64_t rows_per_start = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "row_max", *row_max, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "sum_exp", *sum_exp, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(
-      CheckCrossEntropyRowValues(op, "target_logit", *target_logit, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyStats(op, /*allow_f64=*/true, logits, targets,
+                                                vocab_start, *row_max, *sum_exp, *target_logit,
+                                                num_classes, &shape, &rows_per_start));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
@@ -197,15 +189,11 @@ ffi::Error CrossEntropyBwd(ffi::ThreadPool pool, ffi::AnyBuffer logits, ffi::Any
                            ffi::Result<ffi::AnyBuffer> dlogits, int64_t ignore_index,
                            int64_t num_classes) {
   const char* op = "blujax_cross_entropy_bwd";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/true, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", lse, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "g", g, logits, shape));
   int64_t rows_per_start = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyBwd(op, /*allow_f64=*/true, logits, targets, lse, g,
+                                              vocab_start, *dlogits, num_classes, &shape,
+                                              &rows_per_start));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);
     ParallelFor(pool, shape.rows, RowGrain(shape.vocab), [&](int64_t r0, int64_t r1) {
@@ -224,8 +212,8 @@ ffi::Error CrossEntropyLossGrad(ffi::ThreadPool pool, ffi::AnyBuffer logits,
   const char* op = "blujax_cross_entropy_loss_grad";
   CrossEntropyShape shape;
   int64_t rows_per_scale = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, logits, targets, scale, *loss, *dlogits,
-                                                   num_classes, /*allow_f64=*/true, &shape,
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, /*allow_f64=*/true, logits, targets, scale,
+                                                   *loss, *dlogits, num_classes, &shape,
                                                    &rows_per_scale));
   return DispatchFloat(logits.element_type(), [&](auto tag) {
     using T = decltype(tag);

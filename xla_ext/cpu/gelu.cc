@@ -68,9 +68,7 @@ void GeluBwdRows(const T* dy, const T* x, const T* bias, T* dx, T* dbias, int64_
 ffi::Error GeluFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer* bias,
                        ffi::Result<ffi::AnyBuffer> y) {
   RowsCols s;
-  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/true, &s));
-  if (bias) BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckGeluFwd(op, /*allow_f64=*/true, x, bias, *y, &s));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     GeluFwdRows<T>(In<T>(x), bias ? In<T>(*bias) : nullptr, Out<T>(y), s.rows, s.cols);
@@ -82,15 +80,10 @@ ffi::Error GeluBwdImpl(const char* op, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer>* dbias,
                        ffi::Result<ffi::AnyBuffer>* workspace) {
   RowsCols s;
-  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/true, &s));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  if (bias) {
-    int64_t partials = 0;
-    BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
-    BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "dbias", **dbias, x, s.cols));
-    BLUJAX_RETURN_IF_ERROR(CheckGeluWorkspace(op, **workspace, s.cols, &partials));
-  }
+  int64_t partials = 0;  // the CPU needs no workspace, but checks it as the GPU does
+  BLUJAX_RETURN_IF_ERROR(CheckGeluBwd(op, /*allow_f64=*/true, dy, x, bias, *dx,
+                                      OptionalResult(dbias), OptionalResult(workspace), &s,
+                                      &partials));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     GeluBwdRows<T>(In<T>(dy), In<T>(x), bias ? In<T>(*bias) : nullptr, Out<T>(dx),

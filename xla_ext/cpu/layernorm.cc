@@ -97,17 +97,9 @@ ffi::Error LayerNormFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer>* sum, ffi::Result<ffi::AnyBuffer> mean,
                             ffi::Result<ffi::AnyBuffer> rstd, float eps) {
   RowsCols rc;
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/true, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckEps(op, eps));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "bias", bias, x, rc.cols));
-  if (x_bias) BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "x_bias", *x_bias, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
-  if (residual) {
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", **sum, "x", x));
-  }
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, *mean, *rstd, x, rc.rows));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormFwd(op, /*allow_f64=*/true, x, x_bias, residual, weight,
+                                           bias, *y, OptionalResult(sum), *mean, *rstd, eps,
+                                           &rc));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
@@ -126,19 +118,10 @@ ffi::Error LayerNormBwdImpl(const char* op, ffi::AnyBuffer dy, const ffi::AnyBuf
                             ffi::Result<ffi::AnyBuffer>* dx_bias,
                             ffi::Result<ffi::AnyBuffer> workspace) {
   RowsCols rc;
-  int64_t partials = 0;
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/true, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, mean, rstd, x, rc.rows));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dweight", *dweight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dbias", *dbias, x, rc.cols));
-  if (dx_bias)
-    BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dx_bias", **dx_bias, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(
-      CheckLayerNormWorkspace(op, *workspace, rc.cols, &partials, dx_bias ? 3 : 2));
+  int64_t partials = 0;  // the CPU needs no workspace, but checks it as the GPU does
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormBwd(op, /*allow_f64=*/true, dy, dsum, x, weight, mean,
+                                           rstd, *dx, *dweight, *dbias, OptionalResult(dx_bias),
+                                           *workspace, &rc, &partials));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;

@@ -78,15 +78,8 @@ ffi::Error RmsNormFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer
                           ffi::Result<ffi::AnyBuffer>* sum, ffi::Result<ffi::AnyBuffer> rstd,
                           double eps) {
   RowsCols rc;
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, /*allow_f64=*/true, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormEps(op, eps));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
-  if (residual) {
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", **sum, "x", x));
-  }
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, *rstd, x, rc.rows));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormFwd(op, /*allow_f64=*/true, x, residual, weight, *y,
+                                         OptionalResult(sum), *rstd, eps, &rc));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
@@ -101,15 +94,9 @@ ffi::Error RmsNormBwdImpl(const char* op, ffi::AnyBuffer dy, const ffi::AnyBuffe
                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                           ffi::Result<ffi::AnyBuffer> workspace) {
   RowsCols rc;
-  int64_t partials = 0;
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, /*allow_f64=*/true, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, rstd, x, rc.rows));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "dweight", *dweight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWorkspace(op, *workspace, rc.cols, &partials));
+  int64_t partials = 0;  // the CPU needs no workspace, but checks it as the GPU does
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormBwd(op, /*allow_f64=*/true, dy, dsum, x, weight, rstd, *dx,
+                                         *dweight, *workspace, &rc, &partials));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;

@@ -65,9 +65,7 @@ ffi::Error RopeParts(ffi::DataType type, const RopeLayout& layout, const void* c
 ffi::Error RopeImpl(const char* op, bool inverse, ffi::AnyBuffer x, ffi::AnyBuffer cos,
                     ffi::AnyBuffer sin, ffi::Result<ffi::AnyBuffer> y) {
   RopeDims d;
-  const char* in = inverse ? "dy" : "x";
-  const char* out = inverse ? "dx" : "y";
-  BLUJAX_RETURN_IF_ERROR(CheckRope(op, in, x, cos, sin, out, *y, /*allow_f64=*/true, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckRope(op, /*allow_f64=*/true, inverse, x, cos, sin, *y, &d));
   const void* src[1] = {x.untyped_data()};
   void* dst[1] = {y->untyped_data()};
   return RopeParts(x.element_type(), WholeRope(d), src, dst, cos, sin, inverse);
@@ -87,8 +85,8 @@ ffi::Error RopeQkvFwd(ffi::AnyBuffer qkv, ffi::AnyBuffer cos, ffi::AnyBuffer sin
                       ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> k,
                       ffi::Result<ffi::AnyBuffer> v) {
   RopeLayout layout;
-  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv("blujax_rope_qkv_fwd", qkv, "qkv", *q, *k, *v, cos, sin,
-                                      /*allow_f64=*/true, /*split=*/true, &layout));
+  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv("blujax_rope_qkv_fwd", /*allow_f64=*/true, /*split=*/true,
+                                      qkv, *q, *k, *v, cos, sin, &layout));
   const void* src[3] = {qkv.untyped_data(), qkv.untyped_data(), qkv.untyped_data()};
   void* dst[3] = {q->untyped_data(), k->untyped_data(), v->untyped_data()};
   return RopeParts(qkv.element_type(), layout, src, dst, cos, sin, /*inverse=*/false);
@@ -97,8 +95,8 @@ ffi::Error RopeQkvFwd(ffi::AnyBuffer qkv, ffi::AnyBuffer cos, ffi::AnyBuffer sin
 ffi::Error RopeQkvBwd(ffi::AnyBuffer dq, ffi::AnyBuffer dk, ffi::AnyBuffer dv,
                       ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::Result<ffi::AnyBuffer> dqkv) {
   RopeLayout layout;
-  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv("blujax_rope_qkv_bwd", *dqkv, "dqkv", dq, dk, dv, cos, sin,
-                                      /*allow_f64=*/true, /*split=*/false, &layout));
+  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv("blujax_rope_qkv_bwd", /*allow_f64=*/true,
+                                      /*split=*/false, *dqkv, dq, dk, dv, cos, sin, &layout));
   const void* src[3] = {dq.untyped_data(), dk.untyped_data(), dv.untyped_data()};
   void* dst[3] = {dqkv->untyped_data(), dqkv->untyped_data(), dqkv->untyped_data()};
   return RopeParts(dq.element_type(), layout, src, dst, cos, sin, /*inverse=*/true);

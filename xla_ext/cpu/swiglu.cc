@@ -53,8 +53,7 @@ void SwigluBwdRows(const T* dy, const T* x, T* dx, int64_t rows, int64_t f) {
 ffi::Error SwigluFwd(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   constexpr const char* op = "blujax_swiglu_fwd";
   SwigluDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "y", *y, x));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluFwd(op, /*allow_f64=*/true, x, *y, &d));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     SwigluFwdRows<T>(In<T>(x), Out<T>(y), d.rows, d.cols);
@@ -64,9 +63,7 @@ ffi::Error SwigluFwd(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
 ffi::Error SwigluBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* op = "blujax_swiglu_bwd";
   SwigluDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/true, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluBwd(op, /*allow_f64=*/true, dy, x, *dx, &d));
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     SwigluBwdRows<T>(In<T>(dy), In<T>(x), Out<T>(dx), d.rows, d.cols);

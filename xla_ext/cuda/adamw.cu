@@ -245,11 +245,10 @@ ffi::Error AdamW(cudaStream_t stream, int32_t device, ffi::AnyBuffer hparams,
                  ffi::RemainingArgs args, ffi::RemainingRets rets, double b1, double b2,
                  double eps, bool apply) {
   constexpr const char* op = "blujax_adamw";
-  BLUJAX_RETURN_IF_ERROR(CheckAdamWAttrs(op, b1, b2, eps));
   ffi::DataType param;
   std::vector<AdamWTensor> tensors;  // host memory, per call
   BLUJAX_RETURN_IF_ERROR(
-      CollectAdamWTensors(op, hparams, args, rets, /*allow_f64=*/false, &param, &tensors));
+      CheckAdamW(op, /*allow_f64=*/false, hparams, args, rets, b1, b2, eps, &param, &tensors));
   const AdamWConsts c{static_cast<float>(b1), static_cast<float>(1.0 - b1),
                       static_cast<float>(b2), static_cast<float>(1.0 - b2),
                       static_cast<float>(eps)};

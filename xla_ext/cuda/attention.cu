@@ -379,10 +379,8 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                         bool causal, double scale) {
   const char* op = "blujax_attention_fwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionInputs(op, q, k, v, causal, scale, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "out", *out, "q", q));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionLse(op, "lse", *lse, q.element_type(), d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionCounter(op, *counter));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionFwd(op, /*allow_f64=*/false, q, k, v, *out, *lse, *counter,
+                                           causal, scale, &d));
   BLUJAX_RETURN_IF_ERROR(CheckGpuLimits(
       op, d, {q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data()}));
   if (d.batch * d.heads == 0) return ffi::Error::Success();
@@ -444,9 +442,8 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, f
                         bool sum_dq) {
   const char* op = "blujax_attention_bwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, sum_dq, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionGrads(op, q, k, v, *dq, *dk, *dv));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, /*allow_f64=*/false, q, k, v, out, lse, dout, dlse,
+                                           *dq, *dk, *dv, *delta, causal, scale, sum_dq, &d));
   BwdBuffers b{q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
                dout.untyped_data(), static_cast<const float*>(lse.untyped_data()),
                static_cast<const float*>(dlse.untyped_data()), dq->untyped_data(),
@@ -463,9 +460,8 @@ ffi::Error AttentionQkvBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                            bool causal, double scale, bool sum_dq) {
   const char* op = "blujax_attention_qkv_bwd";
   AttentionDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionBwd(op, q, k, v, out, lse, dout, dlse, *delta, causal,
-                                           scale, sum_dq, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvGrad(op, q, *dqkv, d));
+  BLUJAX_RETURN_IF_ERROR(CheckAttentionQkvBwd(op, /*allow_f64=*/false, q, k, v, out, lse, dout,
+                                              dlse, *dqkv, *delta, causal, scale, sum_dq, &d));
   // dq, dk, dv are the thirds of each token's row of 3 * H * D elements.
   Geometry g = MakeGeometry(d, causal, scale);
   g.grad_stride = 3 * d.heads * d.head_dim;

@@ -534,12 +534,9 @@ ffi::Error CrossEntropyFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
                            ffi::Result<ffi::AnyBuffer> lse, int64_t ignore_index,
                            int64_t num_classes) {
   const char* op = "blujax_cross_entropy_fwd";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "loss", *loss, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", *lse, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyFwd(op, /*allow_f64=*/false, logits, targets, *loss, *lse,
+                                              num_classes, &shape));
   if (shape.rows == 0) return ffi::Error::Success();
   const FwdArgs args{In<int32_t>(targets), nullptr, 1, RowOut(loss), RowOut(lse), nullptr,
                      shape.rows, static_cast<int>(shape.vocab), ignore_index, num_classes};
@@ -556,16 +553,11 @@ ffi::Error CrossEntropyStats(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Result<ffi::AnyBuffer> sum_exp,
                              ffi::Result<ffi::AnyBuffer> target_logit, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_stats";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   int64_t rows_per_start = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "row_max", *row_max, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "sum_exp", *sum_exp, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(
-      CheckCrossEntropyRowValues(op, "target_logit", *target_logit, logits, shape));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyStats(op, /*allow_f64=*/false, logits, targets,
+                                                vocab_start, *row_max, *sum_exp, *target_logit,
+                                                num_classes, &shape, &rows_per_start));
   if (shape.rows == 0) return ffi::Error::Success();
   const FwdArgs args{In<int32_t>(targets), In<int32_t>(vocab_start), rows_per_start,
                      RowOut(row_max), RowOut(sum_exp), RowOut(target_logit), shape.rows,
@@ -582,15 +574,11 @@ ffi::Error CrossEntropyBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer l
                            ffi::AnyBuffer vocab_start, ffi::Result<ffi::AnyBuffer> dlogits,
                            int64_t ignore_index, int64_t num_classes) {
   const char* op = "blujax_cross_entropy_bwd";
-  BLUJAX_RETURN_IF_ERROR(CheckNumClasses(op, num_classes));
   CrossEntropyShape shape;
   int64_t rows_per_start = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLogits(op, logits, /*allow_f64=*/false, &shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyTargets(op, targets, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "lse", lse, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyRowValues(op, "g", g, logits, shape));
-  BLUJAX_RETURN_IF_ERROR(CheckVocabStart(op, vocab_start, shape, &rows_per_start));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dlogits", *dlogits, "logits", logits));
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyBwd(op, /*allow_f64=*/false, logits, targets, lse, g,
+                                              vocab_start, *dlogits, num_classes, &shape,
+                                              &rows_per_start));
   if (shape.rows == 0) return ffi::Error::Success();
   const BwdArgs args{In<int32_t>(targets), In<float>(lse), In<float>(g), In<int32_t>(vocab_start),
                      rows_per_start, shape.rows, static_cast<int>(shape.vocab), ignore_index,
@@ -612,8 +600,8 @@ ffi::Error CrossEntropyLossGrad(cudaStream_t stream, int32_t device, ffi::AnyBuf
   const char* op = "blujax_cross_entropy_loss_grad";
   CrossEntropyShape shape;
   int64_t rows_per_scale = 1;
-  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, logits, targets, scale, *loss, *dlogits,
-                                                   num_classes, /*allow_f64=*/false, &shape,
+  BLUJAX_RETURN_IF_ERROR(CheckCrossEntropyLossGrad(op, /*allow_f64=*/false, logits, targets, scale,
+                                                   *loss, *dlogits, num_classes, &shape,
                                                    &rows_per_scale));
   if (shape.rows == 0) return ffi::Error::Success();
   const LossGradArgs args{In<int32_t>(targets), In<float>(scale), rows_per_scale, RowOut(loss),

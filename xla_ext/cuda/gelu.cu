@@ -392,9 +392,7 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const T* d
 ffi::Error GeluFwdImpl(const char* op, cudaStream_t stream, int device, ffi::AnyBuffer x,
                        const ffi::AnyBuffer* bias, ffi::Result<ffi::AnyBuffer> y) {
   RowsCols s;
-  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/false, &s));
-  if (bias) BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckGeluFwd(op, /*allow_f64=*/false, x, bias, *y, &s));
   if (s.rows * s.cols == 0) return ffi::Error::Success();
   const void* b = bias ? bias->untyped_data() : nullptr;
   if (x.element_type() == ffi::DataType::F32)
@@ -414,16 +412,11 @@ ffi::Error GeluBwdImpl(const char* op, cudaStream_t stream, int device, ffi::Any
                        ffi::Result<ffi::AnyBuffer>* workspace) {
   RowsCols s;
   int64_t partials = 0;
-  BLUJAX_RETURN_IF_ERROR(CheckGeluInput(op, x, /*allow_f64=*/false, &s));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  if (bias) {
-    BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "bias", *bias, x, s.cols));
-    BLUJAX_RETURN_IF_ERROR(CheckGeluBias(op, "dbias", **dbias, x, s.cols));
-    BLUJAX_RETURN_IF_ERROR(CheckGeluWorkspace(op, **workspace, s.cols, &partials));
-  } else if (s.rows * s.cols == 0) {
-    return ffi::Error::Success();
-  }
+  BLUJAX_RETURN_IF_ERROR(CheckGeluBwd(op, /*allow_f64=*/false, dy, x, bias, *dx,
+                                      OptionalResult(dbias), OptionalResult(workspace), &s,
+                                      &partials));
+  // An empty x leaves nothing to write but dbias (zeros where there are no rows).
+  if (!bias && s.rows * s.cols == 0) return ffi::Error::Success();
   if (s.cols == 0) return ffi::Error::Success();  // dbias is empty too
   const void* b = bias ? bias->untyped_data() : nullptr;
   void* db = bias ? (*dbias)->untyped_data() : nullptr;

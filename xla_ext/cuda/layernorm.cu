@@ -176,17 +176,9 @@ ffi::Error LayerNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi
                             ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd,
                             float eps) {
   RowsCols rc;
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/false, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckEps(op, eps));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "bias", bias, x, rc.cols));
-  if (x_bias) BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "x_bias", *x_bias, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
-  if (residual) {
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", **sum, "x", x));
-  }
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, *mean, *rstd, x, rc.rows));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormFwd(op, /*allow_f64=*/false, x, x_bias, residual, weight,
+                                           bias, *y, OptionalResult(sum), *mean, *rstd, eps,
+                                           &rc));
   if (rc.rows == 0) return ffi::Error::Success();
   const bool f32 = x.element_type() == ffi::DataType::F32;
   auto launch = x_bias ? (f32 ? LaunchFwd<float, true> : LaunchFwd<__nv_bfloat16, true>)
@@ -211,20 +203,9 @@ ffi::Error LayerNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi
                             ffi::Result<ffi::AnyBuffer> workspace) {
   RowsCols rc;
   int64_t partials = 0;
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormInput(op, x, /*allow_f64=*/false, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormStats(op, mean, rstd, x, rc.rows));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dweight", *dweight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dbias", *dbias, x, rc.cols));
-  if (dx_bias) {
-    if (!dsum) return InvalidArgument(op, ": dx_bias needs dsum");  // not reachable from a target
-    BLUJAX_RETURN_IF_ERROR(CheckLayerNormParam(op, "dx_bias", **dx_bias, x, rc.cols));
-  }
-  BLUJAX_RETURN_IF_ERROR(
-      CheckLayerNormWorkspace(op, *workspace, rc.cols, &partials, dx_bias ? 3 : 2));
+  BLUJAX_RETURN_IF_ERROR(CheckLayerNormBwd(op, /*allow_f64=*/false, dy, dsum, x, weight, mean,
+                                           rstd, *dx, *dweight, *dbias, OptionalResult(dx_bias),
+                                           *workspace, &rc, &partials));
   const bool f32 = x.element_type() == ffi::DataType::F32;
   auto launch = dx_bias ? (f32 ? LaunchBwd<float, true> : LaunchBwd<__nv_bfloat16, true>)
                         : (f32 ? LaunchBwd<float, false> : LaunchBwd<__nv_bfloat16, false>);

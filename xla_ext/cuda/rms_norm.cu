@@ -375,15 +375,8 @@ ffi::Error RmsNormFwdImpl(const char* op, cudaStream_t stream, int device, ffi::
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer>* sum,
                           ffi::Result<ffi::AnyBuffer> rstd, double eps) {
   RowsCols rc;
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, /*allow_f64=*/false, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormEps(op, eps));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "y", *y, "x", x));
-  if (residual) {
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", *residual, "x", x));
-    BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", **sum, "x", x));
-  }
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, *rstd, x, rc.rows));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormFwd(op, /*allow_f64=*/false, x, residual, weight, *y,
+                                         OptionalResult(sum), *rstd, eps, &rc));
   if (rc.rows == 0) return ffi::Error::Success();
   const bool f32 = x.element_type() == ffi::DataType::F32;
   auto launch = residual ? (f32 ? LaunchFwd<float, true> : LaunchFwd<__nv_bfloat16, true>)
@@ -402,14 +395,8 @@ ffi::Error RmsNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi::
                           ffi::Result<ffi::AnyBuffer> workspace) {
   RowsCols rc;
   int64_t partials = 0;
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, /*allow_f64=*/false, &rc));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dy", dy, "x", x));
-  if (dsum) BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dsum", *dsum, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, rstd, x, rc.rows));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "dweight", *dweight, x, rc.cols));
-  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWorkspace(op, *workspace, rc.cols, &partials));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormBwd(op, /*allow_f64=*/false, dy, dsum, x, weight, rstd, *dx,
+                                         *dweight, *workspace, &rc, &partials));
   const bool f32 = x.element_type() == ffi::DataType::F32;
   auto launch = dsum ? (f32 ? LaunchBwd<float, true> : LaunchBwd<__nv_bfloat16, true>)
                      : (f32 ? LaunchBwd<float, false> : LaunchBwd<__nv_bfloat16, false>);

@@ -171,9 +171,7 @@ ffi::Error LaunchParts(const char* op, cudaStream_t stream, ffi::DataType type,
 ffi::Error RopeImpl(const char* op, bool inverse, cudaStream_t stream, ffi::AnyBuffer x,
                     ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::Result<ffi::AnyBuffer> y) {
   RopeDims d;
-  const char* in = inverse ? "dy" : "x";
-  const char* out = inverse ? "dx" : "y";
-  BLUJAX_RETURN_IF_ERROR(CheckRope(op, in, x, cos, sin, out, *y, /*allow_f64=*/false, &d));
+  BLUJAX_RETURN_IF_ERROR(CheckRope(op, /*allow_f64=*/false, inverse, x, cos, sin, *y, &d));
   const RopeLayout layout = WholeRope(d);
   const void* src[1] = {x.untyped_data()};
   void* dst[1] = {y->untyped_data()};
@@ -195,8 +193,8 @@ ffi::Error RopeQkvFwd(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::AnyBuffer co
                       ffi::Result<ffi::AnyBuffer> k, ffi::Result<ffi::AnyBuffer> v) {
   const char* op = "blujax_rope_qkv_fwd";
   RopeLayout layout;
-  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv(op, qkv, "qkv", *q, *k, *v, cos, sin, /*allow_f64=*/false,
-                                      /*split=*/true, &layout));
+  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv(op, /*allow_f64=*/false, /*split=*/true, qkv, *q, *k, *v,
+                                      cos, sin, &layout));
   const void* src[3] = {qkv.untyped_data(), qkv.untyped_data(), qkv.untyped_data()};
   void* dst[3] = {q->untyped_data(), k->untyped_data(), v->untyped_data()};
   return LaunchParts(op, stream, qkv.element_type(), layout, src, dst, cos, sin, false);
@@ -207,8 +205,8 @@ ffi::Error RopeQkvBwd(cudaStream_t stream, ffi::AnyBuffer dq, ffi::AnyBuffer dk,
                       ffi::Result<ffi::AnyBuffer> dqkv) {
   const char* op = "blujax_rope_qkv_bwd";
   RopeLayout layout;
-  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv(op, *dqkv, "dqkv", dq, dk, dv, cos, sin,
-                                      /*allow_f64=*/false, /*split=*/false, &layout));
+  BLUJAX_RETURN_IF_ERROR(CheckRopeQkv(op, /*allow_f64=*/false, /*split=*/false, *dqkv, dq, dk,
+                                      dv, cos, sin, &layout));
   const void* src[3] = {dq.untyped_data(), dk.untyped_data(), dv.untyped_data()};
   void* dst[3] = {dqkv->untyped_data(), dqkv->untyped_data(), dqkv->untyped_data()};
   return LaunchParts(op, stream, dq.element_type(), layout, src, dst, cos, sin, true);

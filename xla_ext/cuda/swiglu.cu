@@ -116,8 +116,7 @@ void LaunchBwd(cudaStream_t stream, const T* dy, const T* x, T* dx, const Swiglu
 ffi::Error SwigluFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   constexpr const char* op = "blujax_swiglu_fwd";
   SwigluDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "y", *y, x));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluFwd(op, /*allow_f64=*/false, x, *y, &d));
   if (d.rows * d.cols == 0) return ffi::Error::Success();
   if (x.element_type() == ffi::DataType::F32) {
     LaunchFwd<float>(stream, static_cast<const float*>(x.untyped_data()),
@@ -134,9 +133,7 @@ ffi::Error SwigluBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                      ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* op = "blujax_swiglu_bwd";
   SwigluDims d;
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/false, &d));
-  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
-  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "dx", *dx, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluBwd(op, /*allow_f64=*/false, dy, x, *dx, &d));
   if (d.rows * d.cols == 0) return ffi::Error::Success();
   if (x.element_type() == ffi::DataType::F32) {
     LaunchBwd<float>(stream, static_cast<const float*>(dy.untyped_data()),
