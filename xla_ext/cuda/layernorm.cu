@@ -18,8 +18,10 @@
 // a third partial row beside dweight and dbias. It is a template flag, so the kernels of the other
 // variants compile exactly as they would without it.
 //
-// The forward kernels are in layernorm_fwd.cuh, the backward kernels in layernorm_bwd.cuh; this
-// file has the launchers and the handlers.
+// The forward kernels are in layernorm_fwd.cuh, the backward kernels in layernorm_bwd.cuh (the
+// register path and the sums of the partial rows shared with RMSNorm, templated on the mean
+// term: common/row_norm.cuh, as are the launch shapes); this file has the launchers and the
+// handlers.
 
 #include <algorithm>
 
@@ -47,16 +49,6 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
                       Aligned16(bias) && (!residual || (Aligned16(residual) && Aligned16(sum))) &&
                       (!kXBias || Aligned16(x_bias));
   const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
-  auto args = [&](auto kernel, int64_t blocks, int threads) {
-    // As many blocks as fit on the device at once; each loops over its share of the rows. (A
-    // block per kGroups rows, each passing once, as the GELU forward does, measured about the
-    // same.)
-    const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, 0);
-    kernel<<<static_cast<unsigned>(std::min(blocks, resident)), threads, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(x_bias), static_cast<const T*>(residual),
-        static_cast<const T*>(weight), static_cast<const T*>(bias), static_cast<T*>(y),
-        static_cast<T*>(sum), mean, rstd, rc.rows, cols, eps);
-  };
   // The plain op takes the pipelined kernel where its stages fit in shared memory: rows
   // staged two steps ahead in bfloat16, one in float32 (the same bytes; more measured slower).
   bool launched = false;
@@ -68,8 +60,8 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
       const int vecs = (cols / kPack + kGroup - 1) / kGroup;
       const size_t smem = size_t(kThreads) * kStages * vecs * sizeof(uint4);
       if (smem > kMaxSharedBytes && smem > SharedMemoryLimit<kKernel>(device)) return;
-      const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kKernel, kThreads, smem);
-      const int64_t blocks = std::min<int64_t>((rc.rows + kGroups - 1) / kGroups, resident);
+      const int64_t blocks = std::min<int64_t>((rc.rows + kGroups - 1) / kGroups,
+                                               ResidentBlocks(device, kKernel, kThreads, smem));
       kKernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
           static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<const T*>(bias),
           static_cast<T*>(y), mean, rstd, rc.rows, cols, eps);
@@ -77,16 +69,12 @@ ffi::Error LaunchFwd(cudaStream_t stream, int device, const void* x, const void*
     });
   }
   if (launched) return ffi::Error::Success();
-  if (group) {
-    WithGroup(group, [&](auto g) {
-      constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
-      constexpr int kGroups = kThreads / kGroup;
-      args(LayerNormFwdKernel<T, kGroup, kVecs, kXBias>, (rc.rows + kGroups - 1) / kGroups,
-           kThreads);
-    });
-  } else {
-    args(LayerNormFwdAnyKernel<T, kXBias>, rc.rows, kBlock);
-  }
+  LaunchFwdRows(
+      stream, device, group, rc.rows,
+      [](auto g) { return LayerNormFwdKernel<T, decltype(g)::value, kVecs, kXBias>; },
+      LayerNormFwdAnyKernel<T, kXBias>, static_cast<const T*>(x), static_cast<const T*>(x_bias),
+      static_cast<const T*>(residual), static_cast<const T*>(weight), static_cast<const T*>(bias),
+      static_cast<T*>(y), static_cast<T*>(sum), mean, rstd, rc.rows, cols, eps);
   return ffi::Error::Success();
 }
 
@@ -96,23 +84,18 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void
                      const void* dsum, const void* x, const void* weight, const float* mean,
                      const float* rstd, void* dx, void* dweight, void* dbias, void* dx_bias,
                      float* ws, int64_t partials, RowsCols rc) {
-  constexpr int kPack = Pack<T>::kSize, kPlanes = kXBias ? 3 : 2;
+  using Kernels = LayerNormBwdKernels<T, kXBias>;
+  constexpr int kPack = Pack<T>::kSize;
   const int cols = static_cast<int>(rc.cols);
   const bool packed = cols % kPack == 0 && Aligned16(dy) && Aligned16(x) && Aligned16(dx) &&
                       Aligned16(weight) && (!dsum || Aligned16(dsum));
-  int64_t blocks = 0;
+  int64_t blocks = 0;  // launched, each leaving one partial row
   auto run = [&](auto kernel, int64_t rows_per_block, int threads, size_t smem) {
-    // As many blocks as fit on the device at once (each leaves one partial row to reduce),
-    // no more than the workspace holds or the rows need.
-    const int64_t resident = int64_t(SmCount(device)) * BlocksPerSm(kernel, threads, smem);
-    blocks = std::max<int64_t>(1, std::min({partials, resident,
-                                            (rc.rows + rows_per_block - 1) / rows_per_block}));
-    kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(dsum), static_cast<const T*>(x),
-        static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), ws, rc.rows, cols);
+    blocks = LaunchBwdBlocks(stream, device, kernel, rows_per_block, threads, smem, rc.rows,
+                             partials, static_cast<const T*>(dy), static_cast<const T*>(dsum),
+                             static_cast<const T*>(x), static_cast<const T*>(weight), mean, rstd,
+                             static_cast<T*>(dx), ws, rc.rows, cols);
   };
-  bool launched = false;
-  const int group = packed ? GroupFor(cols / kPack, BwdVecs<T>()) : 0;
   // bfloat16 rows of up to 4 warps' packs take the pack-a-thread kernel. The add-bias variant
   // keeps the register path: its third sum (dx_bias) would need 8 more registers in a kernel
   // already at the 64-register bound (not tried).
@@ -128,10 +111,8 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void
         constexpr auto kKernel = LayerNormBwdPackKernel<T, kWarps, kGroups, decltype(sum)::value>;
         const size_t stages = size_t(2) * (sum ? 3 : 2) * kThreads * sizeof(uint4);  // <= 48 KB
         const size_t smem = std::max(sums, stages);
-        if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device)) {
+        if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device))
           run(kKernel, kGroups, kThreads, smem);
-          launched = true;
-        }
       };
       if (dsum) launch(std::true_type{});
       else launch(std::false_type{});
@@ -144,27 +125,12 @@ ffi::Error LaunchBwd(const char* op, cudaStream_t stream, int device, const void
       default: break;
     }
   }
-  if (group && !launched) {
-    WithGroup(group, [&](auto g) {
-      constexpr int kGroup = decltype(g)::value, kThreads = BwdBlockFor<kGroup>();
-      constexpr int kGroups = kThreads / kGroup;
-      // per-group dw, db (, dxb)
-      const size_t smem = size_t(kGroups) * kPlanes * cols * sizeof(float);
-      constexpr int kVecs = BwdVecs<T>();
-      constexpr auto kKernel = LayerNormBwdKernel<T, kGroup, kVecs, kThreads, kXBias>;
-      if (smem <= kMaxSharedBytes || smem <= SharedMemoryLimit<kKernel>(device)) {
-        run(kKernel, kGroups, kThreads, smem);
-        launched = true;
-      }
-    });
-  }
-  if (!launched) run(LayerNormBwdAnyKernel<T, kXBias>, 1, kBlock, 0);
+  if (blocks == 0)
+    LaunchBwdRows<Kernels>(device, packed ? GroupFor(cols / kPack, BwdVecs<T>()) : 0, cols, run);
   BLUJAX_RETURN_IF_ERROR(LastCudaError(op));
-  const dim3 threads(kReduceX, kReduceY);
-  const unsigned grid = static_cast<unsigned>((kPlanes * cols + kReduceX - 1) / kReduceX);
-  LayerNormReducePartials<T, kPlanes><<<grid, threads, 0, stream>>>(
-      ws, static_cast<int>(blocks), cols, static_cast<T*>(dweight), static_cast<T*>(dbias),
-      static_cast<T*>(dx_bias));
+  LaunchReducePartials(stream, LayerNormReducePartials<T, Kernels::kPlanes>, Kernels::kPlanes,
+                       cols, ws, static_cast<int>(blocks), cols, static_cast<T*>(dweight),
+                       static_cast<T*>(dbias), static_cast<T*>(dx_bias));
   return ffi::Error::Success();
 }
 

@@ -1,6 +1,7 @@
 // The LayerNorm backward kernels: dx, and dweight/dbias (dx_bias for the add-bias variant) as
-// one partial row per block that LayerNormReducePartials sums. layernorm.cu has the overview,
-// the launchers and the handlers.
+// one partial row per block that LayerNormReducePartials sums. The register path and the sums
+// are RMSNorm's too, templated on the mean term (common/row_norm.cuh); layernorm.cu has the
+// overview, the launchers and the handlers.
 
 #pragma once
 
@@ -11,152 +12,49 @@
 namespace blujax {
 namespace {
 
-// Backward, register path: a group of kGroup threads takes a row at a time, holding its dy and
-// x packs in registers. A thread's columns are the same for every row, so it adds its share of
-// dweight/dbias into its group's own slice of shared memory without atomics; at the end the
-// block sums its groups' slices into its partial row ws[blockIdx.x]. With kXBias a third slice
-// takes dx_bias.
+// LayerNorm's mean term, the part of the register-path backward (RowNormBwdRows,
+// common/row_norm.cuh) that RMSNorm's lacks. With xhat = (x - mean) * rstd and g = dy * weight:
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = g * rstd + (xhat * c1 + c0)
+// from two sums a row, of g and of g * (x - mean) (rstd is applied once a row, not an
+// element); and a bias, whose gradient dbias is the column sum of dy.
+struct LayerNormTerm {
+  static constexpr bool kBias = true;
+  __device__ __forceinline__ static float Mean(const float* __restrict__ mean, int64_t row,
+                                               bool valid) {
+    return valid ? mean[row] : 0.f;
+  }
+
+  float m, sum_gxm = 0.f, sum_g = 0.f, c0 = 0.f, c1 = 0.f;
+  __device__ __forceinline__ explicit LayerNormTerm(float mean) : m(mean) {}
+  __device__ __forceinline__ void Add(float g, float x) {
+    sum_g += g;
+    sum_gxm += g * (x - m);
+  }
+  template <int kGroup, int kThreads>
+  __device__ __forceinline__ void Reduce(float* red, float rs, float inv_cols) {
+    GroupSum2<kGroup, kThreads>(sum_g, sum_gxm, red);
+    c0 = -rs * sum_g * inv_cols;
+    c1 = -rs * rs * sum_gxm * inv_cols;
+  }
+  __device__ __forceinline__ float Xhat(float x, float rs) const { return (x - m) * rs; }
+  __device__ __forceinline__ float Dx(float g, float xhat, float rs) const {
+    return fmaf(g, rs, fmaf(xhat, c1, c0));
+  }
+};
+
+// Backward, register path (RowNormBwdRows): a group of kGroup threads a row, dy and x in
+// registers, dweight/dbias (with kXBias dx_bias too) summed per group in shared memory and left
+// as the block's partial row. One kernel for the plain and the add variant (dsum null or not).
+// bfloat16 keeps the weight of its columns in registers (8 of them; measured faster); float32
+// and the add-bias variant have no registers to spare for it.
 template <typename T, int kGroup, int kVecs, int kThreads, bool kXBias>
 __global__ void __launch_bounds__(kThreads, BwdMinBlocks<kThreads>())
 LayerNormBwdKernel(const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ x,
                    const T* __restrict__ weight, const float* __restrict__ mean,
                    const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ ws,
                    int64_t rows, int cols) {
-  constexpr int kPack = Pack<T>::kSize;
-  constexpr int kGroups = kThreads / kGroup;
-  constexpr int kPlanes = kXBias ? 3 : 2;
-  __shared__ float red[2 * kThreads / 32];
-  // Per group: dweight then dbias (then dx_bias), each stored as [chunk][pack][4] with chunk =
-  // a float4 of a pack (bfloat16 packs hold two), so the float4s a warp updates together are
-  // consecutive and free of bank conflicts.
-  extern __shared__ float4 acc4[];
-  constexpr int kChunks = kPack / 4;
-  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
-  const int packs = cols / kPack;
-  const float inv_cols = 1.f / cols;
-  float4* dw_acc = acc4 + int64_t(group) * kPlanes * (cols / 4);
-  float4* db_acc = dw_acc + cols / 4;
-  float4* dxb_acc = db_acc + cols / 4;  // kXBias only
-  // Each thread zeroes exactly the float4s it accumulates, so no barrier is needed yet.
-#pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const int p = lane + i * kGroup;
-    if (p < packs) {
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        dw_acc[c * packs + p] = db_acc[c * packs + p] = float4{};
-        if constexpr (kXBias) dxb_acc[c * packs + p] = float4{};
-      }
-    }
-  }
-
-  // bfloat16 keeps the weight of its columns, the same for every row, in registers (8 of
-  // them), not read again in both loops of every row (measured faster); float32 and the
-  // add-bias variant have no registers to spare for it.
-  constexpr bool kHoldW = sizeof(T) == 2 && !kXBias;
-  Pack<T> held_w[kHoldW ? kVecs : 1];
-  if constexpr (kHoldW) {
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i)
-      if (lane + i * kGroup < packs) held_w[i] = LoadPack(weight + (lane + i * kGroup) * kPack);
-  }
-  auto weight_pack = [&](int i, int p) {
-    if constexpr (kHoldW) return held_w[i];
-    else return LoadPack(weight + p * kPack);
-  };
-
-  // Rows of several groups a block read dy and x through the read-only path, measured faster
-  // there than loads without L1 allocation. A row a block (C > 4096) keeps the loads without
-  // L1 allocation, which were the faster when C = 3072 and 4096 took a block a row; C > 4096
-  // itself is not measured.
-  auto load_row = [](const T* p) {
-    if constexpr (kGroups > 1) return LoadPack(p);
-    else return LoadPackNoL1(p);
-  };
-
-  for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
-       base += int64_t(gridDim.x) * kGroups) {
-    const int64_t row = base + group;
-    const bool valid = row < rows;
-    const float m = valid ? mean[row] : 0.f, rs = valid ? rstd[row] : 0.f;
-    Pack<T> d[kVecs], a[kVecs];
-    // Sums of g = dy * weight and of g * (x - mean): rstd is applied once a row, not an
-    // element.
-    float sum_g = 0.f, sum_gxm = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (valid && p < packs) {
-        const int64_t off = row * cols + int64_t(p) * kPack;
-        d[i] = load_row(dy + off);
-        a[i] = load_row(x + off);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (valid && p < packs) {
-        const Pack<T> w = weight_pack(i, p);
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          const float g = PackElem(d[i], k) * PackElem(w, k);
-          sum_g += g;
-          sum_gxm += g * (PackElem(a[i], k) - m);
-        }
-      }
-    }
-    GroupSum2<kGroup, kThreads>(sum_g, sum_gxm, red);
-    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs + (xhat * c1 + c0).
-    const float c0 = -rs * sum_g * inv_cols, c1 = -rs * rs * sum_gxm * inv_cols;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (valid && p < packs) {
-        const int64_t off = row * cols + int64_t(p) * kPack;
-        const Pack<T> w = weight_pack(i, p);
-        Pack<T> ds;
-        if (kXBias || dsum) ds = LoadPackNoL1(dsum + off);
-        float o[kPack], dwv[kPack], dbv[kPack];
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          const float dd = PackElem(d[i], k), xhat = (PackElem(a[i], k) - m) * rs;
-          o[k] = fmaf(dd * PackElem(w, k), rs, fmaf(xhat, c1, c0));
-          if (kXBias || dsum) o[k] += PackElem(ds, k);
-          dwv[k] = dd * xhat;
-          dbv[k] = dd;
-        }
-        StorePackNoL1(dx + off, PackFromFloats<T>(o));
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          float4& w4 = dw_acc[c * packs + p];
-          float4& b4 = db_acc[c * packs + p];
-          w4 = float4{w4.x + dwv[4 * c], w4.y + dwv[4 * c + 1], w4.z + dwv[4 * c + 2],
-                      w4.w + dwv[4 * c + 3]};
-          b4 = float4{b4.x + dbv[4 * c], b4.y + dbv[4 * c + 1], b4.z + dbv[4 * c + 2],
-                      b4.w + dbv[4 * c + 3]};
-          if constexpr (kXBias) {  // dx_bias before rounding, as dweight and dbias
-            float4& x4 = dxb_acc[c * packs + p];
-            x4 = float4{x4.x + o[4 * c], x4.y + o[4 * c + 1], x4.z + o[4 * c + 2],
-                        x4.w + o[4 * c + 3]};
-          }
-        }
-      }
-    }
-  }
-
-  __syncthreads();
-  const float* acc = reinterpret_cast<const float*>(acc4);
-  float* part = ws + int64_t(blockIdx.x) * kPlanes * cols;
-  for (int j = threadIdx.x; j < kPlanes * cols; j += kThreads) {
-    // Column col of dweight (j < cols), dbias or dx_bias sits at [chunk][pack][lane of float4].
-    const int which = j < cols ? 0 : (kXBias && j >= 2 * cols) ? 2 : 1, col = j - which * cols;
-    const int p = col / kPack, r = col % kPack;
-    const int at = which * cols + ((r / 4) * packs + p) * 4 + r % 4;
-    float total = 0.f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) total += acc[int64_t(g) * kPlanes * cols + at];
-    part[j] = total;
-  }
+  RowNormBwdRows<LayerNormTerm, T, kGroup, kVecs, kThreads, kXBias, sizeof(T) == 2 && !kXBias,
+                 /*kAdd=*/kXBias>(dy, dsum, x, weight, mean, rstd, dx, ws, rows, cols);
 }
 
 // Backward, a pack a thread (bfloat16 rows of up to 32 kWarps packs, C <= 1024): a group of
@@ -313,38 +211,25 @@ LayerNormBwdAnyKernel(const T* __restrict__ dy, const T* __restrict__ dsum,
   }
 }
 
-// dweight[c] = sum over blocks of ws[b, 0, c]; dbias likewise from ws[b, 1, c] (and dx_bias from
-// ws[b, 2, c] when kPlanes is 3). There are only kPlanes * C / 32 blocks, so each thread keeps
-// several independent loads in flight rather than waiting on one partial row at a time.
-constexpr int kReduceX = 32, kReduceY = 32, kReduceUnroll = 8;
+// dweight, dbias (and dx_bias when kPlanes is 3): the sums of the blocks' partial rows
+// (ReducePartialRows, common/row_norm.cuh).
 template <typename T, int kPlanes>
 __global__ void __launch_bounds__(kReduceX * kReduceY)
 LayerNormReducePartials(const float* __restrict__ ws, int partials, int cols,
                         T* __restrict__ dweight, T* __restrict__ dbias, T* __restrict__ dx_bias) {
-  __shared__ float tile[kReduceY][kReduceX + 1];
-  const int j = blockIdx.x * kReduceX + threadIdx.x;  // over kPlanes * cols
-  const int64_t stride = kPlanes * int64_t(cols);
-  float acc[kReduceUnroll] = {};
-  if (j < kPlanes * cols) {
-    int p = threadIdx.y;
-    for (; p + (kReduceUnroll - 1) * kReduceY < partials; p += kReduceUnroll * kReduceY) {
-#pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) acc[u] += ws[(p + u * kReduceY) * stride + j];
-    }
-    for (; p < partials; p += kReduceY) acc[0] += ws[p * stride + j];
-  }
-  float s = 0.f;
-#pragma unroll
-  for (int u = 0; u < kReduceUnroll; ++u) s += acc[u];
-  tile[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < kPlanes * cols) {
-    for (int r = 1; r < kReduceY; ++r) s += tile[r][threadIdx.x];
-    if (j < cols) dweight[j] = FromFloat<T>(s);
-    else if (kPlanes == 2 || j < 2 * cols) dbias[j - cols] = FromFloat<T>(s);
-    else dx_bias[j - 2 * cols] = FromFloat<T>(s);
-  }
+  ReducePartialRows<T, kPlanes>(ws, partials, cols, dweight, dbias, dx_bias);
 }
+
+// The backward's kernels for dtype T and variant kXBias, as LaunchBwdRows takes them.
+template <typename T, bool kXBias>
+struct LayerNormBwdKernels {
+  static constexpr int kPlanes = kXBias ? 3 : 2;
+  template <int kGroup>
+  static constexpr auto Register() {
+    return LayerNormBwdKernel<T, kGroup, BwdVecs<T>(), BwdBlockFor<kGroup>(), kXBias>;
+  }
+  static constexpr auto kAny = LayerNormBwdAnyKernel<T, kXBias>;
+};
 
 }  // namespace
 }  // namespace blujax
