@@ -47,9 +47,9 @@ import jax, numpy as np
 import blujax
 x = np.ones((4, 8), np.float32)
 call = jax.ffi.ffi_call("blujax_adamw", [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 3)
-try:
-    jax.jit(lambda *a: call(*a, b1=1.0, b2=0.9, eps=1e-8, apply=False))(np.ones(5, np.float32),
-                                                                       x, x, x, x)
+try:  # waited for: on a GPU the call's error comes with its (asynchronous) result
+    jax.block_until_ready(jax.jit(lambda *a: call(*a, b1=1.0, b2=0.9, eps=1e-8, apply=False))(
+        np.ones(5, np.float32), x, x, x, x))
 except Exception as e:
     print(e)
 """
