@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,7 @@ from blujax import kernels, optim
 from blujax.model import family_of
 from blujax.model.family import ONE_DEVICE
 from blujax.sharding.layout import Layout, state_shardings
-from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, mesh_sizes
-from blujax.sharding.mesh import check_batch as check_mesh_batch
+from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, mesh_sizes
 from blujax.sharding.parallel import Parallel, vary
 from blujax.sharding.ring import zigzag
 
@@ -122,53 +121,62 @@ def schedule(tcfg: TrainConfig):
     return lr_at
 
 
-def make_optimizer(tcfg: TrainConfig, ops=kernels,
-                   decay_mask=None) -> optax.GradientTransformation:
-    """Global-norm clipping (none for grad_clip 0, as in nanoGPT), then AdamW; decay_mask(params)
-    says which leaves decay (the family's: not biases or norms).
+class Optimizer(NamedTuple):
+    """The train step's optimizer: global-norm clipping, AdamW and the update applied.
 
-    The train step runs the two parts itself (it clips by the norm over all devices); this
-    chain is the state's structure, so a checkpoint does not depend on the mesh. optax.identity's
-    state is clip_by_global_norm's (EmptyState), so it does not depend on grad_clip either."""
-    clip = optax.clip_by_global_norm(tcfg.grad_clip) if tcfg.grad_clip else optax.identity()
-    return optax.chain(clip, make_adamw(tcfg, ops, decay_mask))
+    init(params) -> opt_state: (the clipping's state, AdamW's), the tree checkpoints keep.
+    apply(grads, opt_state, params, grad_norm) -> (params, opt_state): the gradients clipped
+    to grad_clip by their global norm grad_norm (the step's, over all devices; grad_clip 0:
+    not clipped, as in nanoGPT), AdamW's update applied. On our kernels that is one fused
+    pass (blujax.optim.adamw_apply, the clipping factor and the addition inside it); on XLA's,
+    optax's clip, adamw and apply_updates as a JAX user writes them."""
+
+    init: Callable
+    apply: Callable
 
 
 def make_adamw(tcfg: TrainConfig, ops=kernels, decay_mask=None) -> optax.GradientTransformation:
-    """make_optimizer's AdamW alone: blujax.optim's fused kernel on our ops, optax's on XLA's."""
+    """The optimizer's AdamW as an optax transformation (its state is the optimizer state's
+    second part): blujax.optim's fused kernel on our ops, optax's on XLA's; decay_mask(params)
+    says which leaves decay (the family's: not biases or norms)."""
     adamw = optim.adamw if ops is kernels else optax.adamw
-    return adamw(schedule(tcfg), b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps,
-                 weight_decay=tcfg.weight_decay, mask=decay_mask)
+    return adamw(schedule(tcfg), **_adamw_args(tcfg, decay_mask))
 
 
-def make_adamw_step(tcfg: TrainConfig, ops=kernels, decay_mask=None):
-    """step(grads, adam_state, params, grad_norm) -> (new params, new adam_state): the
-    gradients clipped to tcfg.grad_clip by their global norm (0: not clipped), make_adamw's
-    AdamW, the update applied. On our kernels that is one fused pass (blujax.optim.adamw_apply,
-    with the clipping factor and the addition inside it); on XLA's, optax's clip, adamw and
-    apply_updates as a JAX user writes them."""
-    kw = dict(b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
-              mask=decay_mask)
-    clip = tcfg.grad_clip
+def make_optimizer(tcfg: TrainConfig, ops=kernels, decay_mask=None) -> Optimizer:
+    """The Optimizer of a TrainConfig: make_adamw's AdamW, with clipping and the update."""
+    adamw, clip = make_adamw(tcfg, ops, decay_mask), tcfg.grad_clip
+
+    def init(params):
+        # optax.chain(clip_by_global_norm or identity, adamw)'s state: clipping keeps none
+        # (EmptyState), so the tree is the same whatever grad_clip and mesh, as checkpoints
+        # have it.
+        return optax.EmptyState(), adamw.init(params)
+
     if ops is kernels:
-        apply = optim.adamw_apply(schedule(tcfg), **kw)
+        fused = optim.adamw_apply(schedule(tcfg), **_adamw_args(tcfg, decay_mask))
 
-        def fused(grads, state, params, norm):
+        def apply(grads, opt_state, params, norm):
             scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32) if clip else None
-            return apply(grads, state, params, scale)
+            params, adam_state = fused(grads, opt_state[1], params, scale)
+            return params, (opt_state[0], adam_state)
 
-        return fused
-    adamw = optax.adamw(schedule(tcfg), **kw)
+        return Optimizer(init, apply)
 
-    def plain(grads, state, params, norm):
+    def apply(grads, opt_state, params, norm):
         if clip:  # optax.clip_by_global_norm, with the global norm
             trigger = norm < clip
             grads = jax.tree.map(lambda g: jax.lax.select(
                 trigger, g, (g / norm.astype(g.dtype)) * clip), grads)
-        updates, state = adamw.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        updates, adam_state = adamw.update(grads, opt_state[1], params)
+        return optax.apply_updates(params, updates), (opt_state[0], adam_state)
 
-    return plain
+    return Optimizer(init, apply)
+
+
+def _adamw_args(tcfg: TrainConfig, decay_mask) -> dict:
+    return dict(b1=tcfg.b1, b2=tcfg.b2, eps=tcfg.eps, weight_decay=tcfg.weight_decay,
+                mask=decay_mask)
 
 
 def init_state(config, tcfg: TrainConfig, key, ops=kernels, mesh=None, *,
@@ -192,8 +200,8 @@ def state_from_params(config, params, tcfg: TrainConfig, ops=kernels) -> TrainSt
     blujax.interop.load_pretrained), as float32 master weights with a fresh optimizer state,
     on one device (place_state puts it on a mesh)."""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    optimizer = make_optimizer(tcfg, ops, family_of(config).decay_mask)
-    return TrainState(jnp.zeros([], jnp.int32), params, jax.jit(optimizer.init)(params))
+    init = make_optimizer(tcfg, ops, family_of(config).decay_mask).init
+    return TrainState(jnp.zeros([], jnp.int32), params, jax.jit(init)(params))
 
 
 def place_state(state: TrainState, config, mesh, *, shard_optimizer: bool = False):
@@ -334,7 +342,7 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
     """
     family = family_of(config)
     dev = _device(config, mesh, collective_matmul, reduce_in_backward)
-    adamw_step = make_adamw_step(tcfg, ops, family.decay_mask)
+    optimizer = make_optimizer(tcfg, ops, family.decay_mask)
     lr_at = schedule(tcfg)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
                    remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev)
@@ -348,27 +356,26 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
         norm = layout.global_norm(grads)
         value = dev.psum(value)
 
-        def update(params, adam_state, grads):
-            return adamw_step(grads, adam_state, params, norm)
+        def update(params, opt_state, grads):
+            return optimizer.apply(grads, opt_state, params, norm)
 
-        clip_state, adam_state = state.opt_state  # make_optimizer's chain
         # The loss and norm are the same on every device, so every device takes the same branch
         # (skip_unless); the all-gather stays outside the cond, and a skipped step gathers back
         # the very pieces it cut.
         finite = finite_step(value, norm)
-        params, adam_state = skip_unless(finite, update, layout.zero_pieces(state.params),
-                                         adam_state, grads)
+        params, opt_state = skip_unless(finite, update, layout.zero_pieces(state.params),
+                                        state.opt_state, grads)
         params = layout.zero_gather(params)
         metrics = {"loss": value, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
                    "skipped": 1.0 - finite.astype(jnp.float32)}
-        return TrainState(state.step + 1, params, (clip_state, adam_state)), metrics
+        return TrainState(state.step + 1, params, opt_state), metrics
 
     def step(state, inputs, targets):
-        check_batch(inputs, targets, tcfg)
+        check_micro_batches(inputs, targets, tcfg)
         layout = _layout(state.params, config, dev, shard_optimizer)
         if mesh is None:
             return body(layout, state, inputs, targets)
-        check_mesh_batch(inputs.shape, dev.sizes, config)
+        check_batch(inputs.shape, dev.sizes, config)
         specs = layout.state_specs(state)
         run = _sharded(partial(body, layout), mesh, dev,
                        (specs, _MICRO_BATCHES, _MICRO_BATCHES), (specs, P()))
@@ -397,7 +404,7 @@ def make_value_and_grad(config, ops=kernels, mesh=None, *, dtype=jnp.float32,
         layout = _layout(params, config, dev)
         if mesh is None:
             return body(layout, params, inputs, targets)
-        check_mesh_batch(inputs.shape, dev.sizes, config)
+        check_batch(inputs.shape, dev.sizes, config)
         specs = layout.param_specs()
         run = _sharded(partial(body, layout), mesh, dev, (specs, _BATCH, _BATCH),
                        (P(), specs))
@@ -421,7 +428,7 @@ def make_eval_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
     def f(params, inputs, targets):
         if mesh is None:
             return body(params, inputs, targets)
-        check_mesh_batch(inputs.shape, dev.sizes, config)
+        check_batch(inputs.shape, dev.sizes, config)
         specs = _layout(params, config, dev).param_specs()
         return _sharded(body, mesh, dev, (specs, _BATCH, _BATCH), P())(params, inputs, targets)
 
@@ -477,7 +484,7 @@ def skip_unless(finite, update, params, opt_state, *args):
     return jax.lax.cond(finite, update, lambda p, s, *_: (p, s), params, opt_state, *args)
 
 
-def check_batch(inputs, targets, tcfg: TrainConfig, step: str = "train step"):
+def check_micro_batches(inputs, targets, tcfg: TrainConfig, step: str = "train step"):
     """inputs and targets must both be [accum_steps, B, T]; `step` names the caller."""
     if inputs.ndim != 3 or inputs.shape != targets.shape:
         raise ValueError(f"{step}: inputs and targets must both be [accum_steps, B, T], got "

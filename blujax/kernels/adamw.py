@@ -28,8 +28,11 @@ from blujax._ffi import require_kernels
 from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
-# hparams layout, shared with xla_ext/common/adamw.h.
+# The hparams a caller passes, and the kernel's (xla_ext/common/adamw.h): the same, then the
+# factor the gradients are scaled by (global-norm clipping; 1 for none), which
+# adamw_update_many appends from its grad_scale argument.
 HPARAMS = ("lr", "weight_decay", "bias_correction1", "bias_correction2")
+KERNEL_HPARAMS = (*HPARAMS, "grad_scale")
 
 
 def moment_dtype(param_dtype):
@@ -77,8 +80,7 @@ def adamw_update_many(params, grads, ms, vs, hparams, *, b1: float = 0.9, b2: fl
                          f"{list(getattr(grad_scale, 'shape', ()))}")
     require_kernels(op)
     n = len(params)
-    # The kernel's hparams: the four, then grad_scale (xla_ext/common/adamw.h).
-    hparams = jnp.concatenate([hparams, grad_scale[None]])
+    hparams = jnp.concatenate([hparams, grad_scale[None]])  # KERNEL_HPARAMS
     hparams, *flat = match_vma(hparams, *params, *grads, *ms, *vs)
     params, grads, ms, vs = (flat[i * n:(i + 1) * n] for i in range(4))
     # Operands: hparams, p[n], g[n], m[n], v[n]; results: u[n] (or p + u[n]), m[n], v[n], each
