@@ -95,8 +95,7 @@ def learning_rates(tcfg: train.TrainConfig) -> list[float]:
 def resolve_shards(spec: str | None):
     """The training shards --data names, resolved as `python examples/gpt2.py train --data`
     resolves them (no --data: the tinyshakespeare corpus, offline from $BLUJAX_CORPUS)."""
-    from blujax.cli.corpus import resolve_data
-    return resolve_data(spec, progress=True)
+    return data.resolve(spec, progress=True)
 
 
 # --------------------------------------------------------------------------------------------

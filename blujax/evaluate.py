@@ -1,6 +1,6 @@
 """Evaluation with one fixed definition, so that a loss compares across tools and runs.
 
-    tokens, what = eval_tokens("data/fineweb10B/")          # its validation split
+    tokens, what = blujax.data.eval_tokens("data/fineweb10B/")  # its validation split
     result = evaluate_loss(params, config, tokens, batch=8, seq=1024, max_batches=20,
                            ops=blujax.kernels, dtype=jnp.bfloat16)
     result["val_loss"]                                      # EVAL_DEFINITION says what it is
@@ -13,13 +13,8 @@ batches) is the same number.
 
 from __future__ import annotations
 
-import glob
 import math
-import os
-import re
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +24,12 @@ from blujax import data
 from blujax.model import family_of
 from blujax.model import ops as ops_module
 from blujax.train import DTYPES
+from blujax.vocab import GPT2_PADDED_VOCAB_SIZE, GPT2_VOCAB_SIZE
 
-EVAL_DEFINITION = """\
+EVAL_DEFINITION = f"""\
 val_loss is the mean next-token cross-entropy (nats; float32; softmax over the real
-vocabulary, 50257 tokens for GPT-2, not the padded 50304) over every predicted token of the
+vocabulary, {GPT2_VOCAB_SIZE} tokens for GPT-2, not the padded \
+{GPT2_PADDED_VOCAB_SIZE}) over every predicted token of the
 first K batches (--eval-batches K; 0 or none: all) of B rows (--batch) of T + 1 consecutive
 tokens (--seq T), read in order from the start of the evaluation tokens: row r of batch k
 covers tokens [(k*B + r)*T, (k*B + r)*T + T], its first T the inputs and its last T the
@@ -42,80 +39,6 @@ tokens: of a text file, GPT-2's encode_ordinary of the whole UTF-8 text (no <|en
 added anywhere); of a shard directory or glob, its validation shards (val as a word of the
 name, as in NAME_val_000000.bin) concatenated in name order (a row may span two shards); of
 one .bin shard, all its tokens."""
-
-
-def eval_tokens(spec: str, *, progress: bool = False) -> tuple[np.ndarray, str]:
-    """The evaluation tokens (uint16 [N]) of what `spec` names, and a description of them.
-
-    A text file: all its tokens (see EVAL_DEFINITION). A directory or glob of llm.c shards: its
-    validation split. One .bin shard: all its tokens. Problems the user can fix raise a
-    blujax.data.DataError (TextError, ShardError) with a one-line message naming the file.
-    """
-    spec = str(spec)
-    if any(c in spec for c in "*?[") and not os.path.exists(spec):
-        paths = sorted(Path(p) for p in glob.glob(spec))
-        if not paths:
-            raise data.DataError(f"{spec}: the pattern matches no files")
-        not_shards = [p for p in paths if p.suffix != ".bin"]
-        if not_shards:
-            raise data.DataError(f"{spec}: a pattern must name llm.c .bin token shards, but it "
-                                 f"matches {not_shards[0]}; pass one text file instead")
-        return _val_split(paths, spec, progress)
-    path = Path(spec)
-    if path.is_dir():
-        paths = sorted(path.glob("*.bin"))
-        if not paths:
-            raise data.DataError(f"{spec}: the directory holds no .bin token shards")
-        return _val_split(paths, spec, progress)
-    if not path.is_file():
-        raise data.DataError(f"{spec}: no such file or directory")
-    if path.suffix == ".bin":
-        tokens = _read_shards([path], progress)
-        return tokens, f"token shard {path} (all {tokens.size:,} tokens)"
-    return _text_tokens(path, progress), f"text file {path}"
-
-
-def _val_split(paths: list[Path], spec: str, progress: bool) -> tuple[np.ndarray, str]:
-    # The word rule of blujax.cli.corpus (and data.find_shards): llm.c's NAME_val_000000.bin
-    # and tiny_shakespeare_val.bin are both validation shards.
-    val = [p for p in paths if re.search(r"(^|[_.\-])val([_.\-]|$)", p.stem)]
-    if not val:
-        raise data.DataError(f"{spec}: no validation shards (none of the {len(paths)} .bin "
-                             f"files has 'val' in its name, as in NAME_val_000000.bin); pass "
-                             f"one .bin shard to evaluate all of its tokens")
-    tokens = _read_shards(val, progress)
-    what = val[0].name if len(val) == 1 else f"{len(val)} shards {val[0].name} ..."
-    return tokens, f"the validation split of {spec} ({what}, {tokens.size:,} tokens)"
-
-
-def _read_shards(paths: list[Path], progress: bool) -> np.ndarray:
-    """The shards' tokens, concatenated in order, checked against GPT-2's vocabulary."""
-    from tqdm import tqdm
-    parts = []
-    for p in tqdm(paths, desc="reading shards", unit="shard", file=sys.stderr,
-                  disable=not progress or len(paths) < 2):
-        with data.Shard(p) as shard:  # ShardError names the file and the problem
-            parts.append(np.array(shard.tokens))  # a copy: the mapping closes here
-    tokens = np.concatenate(parts) if parts else np.zeros(0, data.TOKEN_DTYPE)
-    if not tokens.size:
-        raise data.ShardError(f"{paths[0] if len(paths) == 1 else paths[0].parent}: the "
-                              f"shards hold no tokens: nothing to evaluate")
-    return tokens
-
-
-def _text_tokens(path: Path, progress: bool) -> np.ndarray:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise data.TextError(f"{path}: cannot read: {e.strerror or e}") from None
-    text = data.decode_text(raw, path)  # TextError with the first bad byte's offset
-    del raw
-    if progress:
-        print(f"tokenizing {path} ({len(text):,} characters)", file=sys.stderr)
-    tokens = np.asarray(data.get_encoding("gpt2").encode_ordinary(text), data.TOKEN_DTYPE)
-    if not tokens.size:
-        raise data.TextError(f"{path}: the file is empty: there is no text to evaluate on")
-    return tokens
 
 
 def loss_batches(tokens, *, batch: int, seq: int,

@@ -551,31 +551,6 @@ def test_cli_prepare_of_text_that_is_not_utf8(tmp_path, enc, capsys):
     assert not list((tmp_path / "d").iterdir())
 
 
-def test_resolve_data_of_text_that_is_not_utf8(tmp_path, enc):
-    from blujax.cli import corpus
-    bad = tmp_path / "notes.txt"
-    bad.write_bytes(b"plain ascii first\n" * 10 + LATIN1)
-    with pytest.raises(TextError, match=rf"{bad} is not UTF-8 text: byte 0xe9 at offset 183 "):
-        corpus.resolve_data(str(bad), progress=False)
-    assert not (tmp_path / "notes.txt.tokens").exists()  # no cache a later run would reuse
-
-
-def test_resolve_data_refuses_an_unfinished_prepare(tmp_path, rng, enc):
-    from blujax.cli import corpus
-    from blujax.cli.settings import UsageError
-    out = tmp_path / "d"
-    data.prepare(write_inputs(tmp_path, make_documents(rng, 30)), out, workers=1,
-                 shard_tokens=300, val_tokens=300, progress=False)
-    assert corpus.resolve_data(str(out), progress=False).train
-    record = out / "corpus.prepare.json"
-    saved = json.loads(record.read_text())
-    saved["shards"] = saved["shards"][:3]
-    saved["shards"][-1]["last"] = False  # as a run stopped after its third shard leaves it
-    record.write_text(json.dumps(saved))
-    with pytest.raises(UsageError, match="the shards of corpus are incomplete"):
-        corpus.resolve_data(str(out), progress=False)
-
-
 # ---- the validation split of a small corpus
 
 

@@ -1,20 +1,14 @@
-"""The fixed evaluation of issue 37: its tokens, its rows and its loss.
-
-Needs TIKTOKEN_CACHE_DIR (or network access) for the text-file tests, else they skip;
-BLUJAX_TEST_DATA (llm.c's tinyshakespeare shards) for one test, else it skips.
-"""
-
-import os
-from pathlib import Path
+"""The fixed evaluation of issue 37: its rows and its loss (its tokens, blujax.data.eval_tokens:
+tests/test_data_sources.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from blujax import data, evaluate
-from blujax.data import DataError, ShardError, TextError
-from blujax.evaluate import eval_tokens, evaluate_loss, loss_batches
+from blujax import evaluate
+from blujax.data import DataError
+from blujax.evaluate import evaluate_loss, loss_batches
 from blujax.model import gpt2, ops as model_ops
 
 CONFIG = gpt2.PRESETS["tiny"]
@@ -116,81 +110,6 @@ def test_evaluate_loss_errors(params):
                                         "size 50257"):
         evaluate_loss(params, CONFIG, tokens, batch=1, seq=32, max_batches=None, ops="xla",
                       dtype="f32")
-
-
-# ---- the tokens
-
-
-def test_eval_tokens_of_a_text_file(tmp_path, enc):
-    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, " \
-           "speak. <|endoftext|> café ☕\n"
-    path = tmp_path / "t.txt"
-    path.write_text(text, encoding="utf-8")
-    tokens, what = eval_tokens(str(path))
-    assert tokens.dtype == np.uint16 and what == f"text file {path}"
-    np.testing.assert_array_equal(tokens, enc.encode_ordinary(text))  # no end-of-text added
-
-
-def test_eval_tokens_text_errors(tmp_path, enc):
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes(b"caf\xe9 au lait")
-    with pytest.raises(TextError, match=r"latin1.txt is not UTF-8 text: byte 0xe9 at offset 3"):
-        eval_tokens(str(bad))
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    with pytest.raises(TextError, match="empty.txt: the file is empty"):
-        eval_tokens(str(empty))
-
-
-def test_eval_tokens_of_a_shard_directory_is_its_val_split(tmp_path):
-    val0, val1, train = np.arange(0, 50), np.arange(100, 130), np.arange(500, 600)
-    data.write_shard(tmp_path / "x_val_000000.bin", val0)
-    data.write_shard(tmp_path / "x_val_000001.bin", val1)
-    data.write_shard(tmp_path / "x_train_000002.bin", train)
-    tokens, what = eval_tokens(str(tmp_path))
-    np.testing.assert_array_equal(tokens, np.concatenate([val0, val1]))
-    assert what == f"the validation split of {tmp_path} (2 shards x_val_000000.bin ..., " \
-                   f"80 tokens)"
-    tokens, _ = eval_tokens(str(tmp_path / "x_*.bin"))  # a glob: the same
-    np.testing.assert_array_equal(tokens, np.concatenate([val0, val1]))
-    tokens, what = eval_tokens(str(tmp_path / "x_train_000002.bin"))  # one shard: all of it
-    np.testing.assert_array_equal(tokens, train)
-    assert what == f"token shard {tmp_path / 'x_train_000002.bin'} (all 100 tokens)"
-
-
-def test_eval_tokens_of_llmc_shards():
-    root = os.environ.get("BLUJAX_TEST_DATA")
-    folder = Path(root or "") / "tinyshakespeare_llmc"
-    if not root or not folder.is_dir():
-        pytest.skip("BLUJAX_TEST_DATA/tinyshakespeare_llmc not found")
-    tokens, _ = eval_tokens(str(folder))
-    with data.Shard(folder / "tiny_shakespeare_val.bin") as shard:
-        np.testing.assert_array_equal(tokens, shard.tokens)
-
-
-def test_eval_tokens_errors(tmp_path):
-    with pytest.raises(DataError, match="nope: no such file or directory"):
-        eval_tokens(str(tmp_path / "nope"))
-    with pytest.raises(DataError, match="the directory holds no .bin token shards"):
-        eval_tokens(str(tmp_path))
-    with pytest.raises(DataError, match="the pattern matches no files"):
-        eval_tokens(str(tmp_path / "*.bin"))
-    data.write_shard(tmp_path / "x_train_000000.bin", np.arange(10))
-    with pytest.raises(DataError, match=r"no validation shards \(none of the 1 .bin files has "
-                                        r"'val' in its name"):
-        eval_tokens(str(tmp_path))
-    (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(DataError, match="a pattern must name llm.c .bin token shards, but it "
-                                        "matches .*notes.txt"):
-        eval_tokens(str(tmp_path / "*"))
-    bad = tmp_path / "y_val_000000.bin"
-    bad.write_bytes(b"\0" * 2048)
-    with pytest.raises(ShardError, match="y_val_000000.bin: bad magic number 0"):
-        eval_tokens(str(bad))
-    empty = tmp_path / "z.bin"
-    data.write_shard(empty, np.zeros(0, np.uint16))
-    with pytest.raises(ShardError, match="z.bin: the shards hold no tokens"):
-        eval_tokens(str(empty))
 
 
 def test_definition_states_the_rows():

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from blujax import cli, loop
-from blujax.cli import corpus as cli_corpus, parser as cli_parser, run as cli_run
+from blujax.cli import parser as cli_parser, run as cli_run
 from blujax.cli.settings import TrainSettings
 from blujax.checkpoint import Checkpointer
-from blujax.data import ShardError
+from blujax.data import corpus as data_corpus
 from blujax.model import gpt2
 from blujax.model import ops as model_ops
 from tests.util import rel_close
@@ -219,8 +219,8 @@ def _assert_usage_error(status, err, message):
                                                           "--accum 4 equal micro-batches"),
     ([*TINY_MODEL, "--steps", "0"], "--steps must be at least 1"),
     ([*TINY_MODEL, "--steps", "4", "--stop-after", "5"], "--stop-after 5 must lie in"),
-    (["--data", "no/such/corpus.txt", *TINY_MODEL], "--data no/such/corpus.txt: no such "
-                                                          "file or directory"),
+    (["--data", "no/such/corpus.txt", *TINY_MODEL], "no/such/corpus.txt: no such file or "
+                                                    "directory"),
     (["--data", "no/such/*.bin", *TINY_MODEL], "the pattern matches no files"),
     ([*TINY_MODEL, "--cp", "0"], "--cp must be at least 1, got 0"),
     ([*TINY_MODEL, "--dp", "3", "--tp", "3", "--cp", "1024"],
@@ -424,7 +424,7 @@ def test_data_errors(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     status, _, err = _run(capsys, "train", "--data", empty, *TINY, "--out", tmp_path / "a")
-    _assert_usage_error(status, err, f"--data {empty}: the file is empty")
+    _assert_usage_error(status, err, f"{empty}: the file is empty")
 
     short = tmp_path / "short.txt"
     short.write_text("To be, or not to be, that is the question. " * 8)  # ~90 tokens
@@ -447,82 +447,13 @@ def test_run_folder_errors(trained, tmp_path, capsys):
 
 def test_offline_without_the_corpus_says_what_to_do(tmp_path, monkeypatch, capsys):
     # Refused at once.
-    monkeypatch.setattr(cli_corpus, "CORPUS_URL", "http://127.0.0.1:9/input.txt")
+    monkeypatch.setattr(data_corpus, "CORPUS_URL", "http://127.0.0.1:9/input.txt")
     status, _, err = _run(capsys, "train", *TINY_MODEL, "--out", tmp_path / "run")
     _assert_usage_error(status, err, "could not download the default corpus")
     assert "set BLUJAX_CORPUS" in err and "--data FILE" in err and "TIKTOKEN_CACHE_DIR" in err
     monkeypatch.setenv("BLUJAX_CORPUS", str(tmp_path / "missing.txt"))
     status, _, err = _run(capsys, "train", *TINY_MODEL, "--out", tmp_path / "run")
     _assert_usage_error(status, err, "BLUJAX_CORPUS=")
-
-
-def test_default_corpus_is_llmc_tinyshakespeare(tmp_path, monkeypatch):
-    """The default corpus, found through BLUJAX_CORPUS, tokenizes into exactly llm.c's
-    tinyshakespeare shards (its paragraphs as documents, 32768 validation tokens), in the user
-    cache (not beside the file: that may be a shared folder), and is reused; the user cache's
-    own copy of the text comes first once present."""
-    root = _test_data()
-    _tokenizer()
-    llmc = root / "tinyshakespeare_llmc"
-    if not llmc.is_dir():
-        pytest.skip(f"{llmc} not found under BLUJAX_TEST_DATA")
-    copy = tmp_path / "shared" / "input.txt"
-    copy.parent.mkdir()
-    shutil.copyfile(root / "tinyshakespeare.txt", copy)
-    monkeypatch.setenv("BLUJAX_CORPUS", str(copy))
-    source = cli_corpus.resolve_data(None, progress=False)
-    tokens = cli_corpus.user_cache_dir() / "tinyshakespeare.txt.tokens"
-    assert {p.parent for p in source.train + source.val} == {tokens}
-    assert sorted(p.name for p in copy.parent.iterdir()) == ["input.txt"]
-    for ours, theirs in ((source.train[0], "tiny_shakespeare_train.bin"),
-                         (source.val[0], "tiny_shakespeare_val.bin")):
-        assert ours.read_bytes() == (llmc / theirs).read_bytes()
-    stamp = source.train[0].stat().st_mtime_ns
-    assert cli_corpus.resolve_data(None, progress=False) == source
-    assert source.train[0].stat().st_mtime_ns == stamp  # reused, not written again
-
-    cached = cli_corpus.user_cache_dir() / cli_corpus.CORPUS_NAME
-    shutil.copyfile(copy, cached)
-    monkeypatch.setenv("BLUJAX_CORPUS", str(tmp_path / "elsewhere.txt"))  # not looked at
-    again = cli_corpus.resolve_data(None, progress=False)
-    assert again.train[0].read_bytes() == source.train[0].read_bytes()
-
-
-def test_download_checks_the_sha256(tmp_path, corpus):
-    import hashlib
-    url = corpus.absolute().as_uri()
-    dest = tmp_path / "cache" / "corpus.txt"
-    with pytest.raises(ValueError, match="sha256"):
-        cli_corpus.download(url, dest, sha256="0" * 64, progress=False)
-    assert not dest.exists() and not list(dest.parent.iterdir())  # no partial file left
-    cli_corpus.download(url, dest, sha256=hashlib.sha256(corpus.read_bytes()).hexdigest(),
-                 progress=False)
-    assert dest.read_bytes() == corpus.read_bytes()
-
-
-def test_tokens_go_to_the_user_cache_when_the_folder_is_read_only(tmp_path, monkeypatch):
-    text = tmp_path / "notes.txt"
-    text.write_text("hello")
-    monkeypatch.setattr(cli_corpus, "_writable", lambda folder: folder.parent != tmp_path)
-    cache = cli_corpus._token_cache(text)
-    assert cache.parent == cli_corpus.user_cache_dir() / "tokens"
-    assert cache.name.startswith("notes.txt-")
-
-
-def test_shard_folders_and_globs_split_by_name(tmp_path):
-    llmc = _test_data() / "tinyshakespeare_llmc"
-    if not llmc.is_dir():
-        pytest.skip(f"{llmc} not found under BLUJAX_TEST_DATA")
-    for spec in (str(llmc), str(llmc / "*.bin")):
-        source = cli_corpus.resolve_data(spec, progress=False)
-        assert [p.name for p in source.train] == ["tiny_shakespeare_train.bin"]
-        assert [p.name for p in source.val] == ["tiny_shakespeare_val.bin"]
-    one = cli_corpus.resolve_data(str(llmc / "tiny_shakespeare_train.bin"), progress=False)
-    assert [p.name for p in one.val] == ["tiny_shakespeare_val.bin"]  # its twin
-    bad = tmp_path / "bad_train.bin"
-    bad.write_bytes(b"\0" * 100)
-    with pytest.raises(ShardError, match="shorter than"):
-        cli_corpus.resolve_data(str(bad), progress=False)
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
@@ -571,18 +502,3 @@ def test_a_signal_asks_for_a_stop_after_the_step():
         os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
         assert stop.requested
     assert signal.getsignal(signal.SIGTERM) is before
-
-
-def test_validation_batches_split_over_data_parallel_ranks(tmp_path):
-    """A validation split too small for a full batch gives a batch of as many rows as fit,
-    rounded down to a multiple of --dp, so that the sharded eval step can split it."""
-    from blujax import data
-    from blujax.cli.corpus import DataSource, val_batches
-    rng = np.random.default_rng(0)
-    val = data.write_shard(tmp_path / "v_val_000000.bin", rng.integers(0, 50257, 7 * 16 + 1))
-    source = DataSource("synthetic", [], [val])
-    (x, y), = val_batches(source, batch=32, seq=16, max_batches=None)
-    assert x.shape == y.shape == (7, 16)
-    (x, _), = val_batches(source, batch=32, seq=16, max_batches=None, rows_multiple=2)
-    assert x.shape == (6, 16)
-    assert val_batches(source, batch=32, seq=16, max_batches=None, rows_multiple=8) == []

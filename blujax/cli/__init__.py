@@ -26,7 +26,6 @@ several processes blujax.processes, the step blujax.train. The modules, in the o
 uses them:
     parser.py     the flags of each command, with their help
     settings.py   a run's settings, their defaults and checks; UsageError
-    corpus.py     the token shards --data names (text file, llm.c shards, default corpus)
     processes.py  starting several processes (hosts) from the flags
     run.py        the run folder: config.json and the checkpoints in it
     lock.py       one run per folder: the lock on --out

@@ -16,7 +16,6 @@ import numpy as np
 
 from blujax import data, evaluate, hellaswag, interop, sample
 from blujax.cli import report
-from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.run import load_run, restore_latest
 from blujax.cli.settings import (TrainSettings, UsageError, check_number, defaults,
                                  on_accelerator, run_model_config, training_config)
@@ -90,7 +89,7 @@ def cmd_eval(args) -> int:
         if seq > model.config.block_size:
             raise UsageError(f"--seq {seq} is longer than the model's block_size "
                              f"({model.config.block_size})")
-        tokens, description = evaluate.eval_tokens(args.data, progress=not args.no_progress)
+        tokens, description = data.eval_tokens(args.data, progress=not args.no_progress)
         k = args.eval_batches if args.eval_batches is not None else (s.eval_batches if s else 0)
         try:
             loss = evaluate.evaluate_loss(model.params, model.config, tokens, batch=batch,
@@ -125,13 +124,13 @@ def _run_val_loss(model: Model, ops, args) -> dict:
     unless --batch / --seq / --eval-batches say otherwise)."""
     s = dataclasses.replace(model.settings, dtype=model.dtype)
     s.batch, s.seq = args.batch or s.batch, args.seq or s.seq
-    source = resolve_data(s.data, progress=not args.no_progress)
+    source = data.resolve(s.data, progress=not args.no_progress)
     if not source.val:
         raise UsageError(f"{source.description} has no validation split (shards named "
                          f"*_val_*.bin): nothing to evaluate on")
     n = s.eval_batches if args.eval_batches is None else args.eval_batches
-    batches = val_batches(source, s.batch, s.seq, n or None,
-                          vocab_size=model.config.vocab_size)
+    batches = data.val_batches(source.val, batch=s.batch, seq=s.seq, max_batches=n or None,
+                               vocab_size=model.config.vocab_size)
     if not batches:
         raise UsageError(f"the validation split of {source.description} is too short for one "
                          f"sequence of {s.seq} tokens")

@@ -20,8 +20,8 @@ import jax
 
 from blujax import loop
 from blujax.checkpoint import CheckpointError, Checkpointer, Restored
-from blujax.cli.corpus import DataSource
 from blujax.cli.settings import TrainSettings, UsageError, training_config
+from blujax.data import DataSource
 from blujax import model
 from blujax.sharding.layout import map_moments
 from blujax.train import TrainConfig, init_state

@@ -20,7 +20,6 @@ from blujax import data, hellaswag, loop, metrics, model, sharding
 from blujax.checkpoint import Checkpointer
 from blujax.cli import processes, report, run
 from blujax.cli.lock import RunLock
-from blujax.cli.corpus import resolve_data, val_batches
 from blujax.cli.generate import (GPT2_VOCAB, check_gpt2_vocab, encode, generate_text,
                                  load_pretrained)
 from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
@@ -73,7 +72,7 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
         todo = _check_out_folder(out, args, s, saved, stop_after, procs.lead)
         if todo and procs.lead:  # first and alone: it may tokenize --data into a cache
-            source = resolve_data(s.data, progress=progress)
+            source = data.resolve(s.data, progress=progress)
     procs.same(todo, "whether there is training to do in --out (it must be one folder that "
                      "every process sees)")
     if not todo:
@@ -81,7 +80,7 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
 
     with procs.together():
         if source is None:  # the other processes, from the lead's cache
-            source = resolve_data(s.data, progress=False)
+            source = data.resolve(s.data)
         counts = [data.read_header(p) for p in source.train]
         loader = held.enter_context(_open_loader(s, source, counts, saved,
                                                  model_config.vocab_size))
@@ -91,8 +90,12 @@ def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:
             print(f"checking the tokens of {len(counts)} training shards", flush=True)
         loader.check_all()
         fingerprint = loader.state()["shards"]
-        val = (val_batches(source, s.batch, s.seq, s.eval_batches, s.dp,
-                           vocab_size=model_config.vocab_size) if s.eval_every else [])
+        val = (data.val_batches(source.val, batch=s.batch, seq=s.seq,
+                                max_batches=s.eval_batches, rows_multiple=s.dp,
+                                vocab_size=model_config.vocab_size) if s.eval_every else [])
+        if s.eval_every and source.val and not val and procs.lead:
+            report.warn(f"warning: the validation split of {source.description} is shorter "
+                        f"than {s.dp} sequence(s) of --seq {s.seq}: no validation loss")
         items = None  # HellaSwag's, at every validation
         if s.hellaswag is not None and s.eval_every:
             check_gpt2_vocab(model_config, "HellaSwag")

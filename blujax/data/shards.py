@@ -148,11 +148,16 @@ class Shard:
         self.close()
 
 
+def in_split(path, split: str) -> bool:
+    """Whether a shard's name has `split` as a word, as llm.c names its splits:
+    `fineweb_train_000001.bin`, `tiny_shakespeare_val.bin`."""
+    return re.search(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)", Path(path).stem) is not None
+
+
 def find_shards(source, split: str | None = None) -> list[Path]:
     """Shard paths, sorted: a file, a list of files, a glob pattern, or a directory.
 
-    In a directory (or with a pattern) split picks the files whose name has `_{split}` as a
-    word, as in llm.c's `fineweb_train_000001.bin` and `tiny_shakespeare_val.bin`.
+    In a directory (or with a pattern) split picks the files in it (in_split).
     """
     if isinstance(source, (list, tuple)):
         paths = [Path(p) for p in source]
@@ -168,8 +173,7 @@ def find_shards(source, split: str | None = None) -> list[Path]:
         else:
             paths = [Path(source)]
         if split is not None and (os.path.isdir(source) or len(paths) != 1):
-            word = re.compile(rf"(^|[_.\-]){re.escape(split)}([_.\-]|$)")
-            paths = [p for p in paths if word.search(p.stem)]
+            paths = [p for p in paths if in_split(p, split)]
     if not paths:
         raise FileNotFoundError(f"no token shards found at {source!r}"
                                 + (f" for split {split!r}" if split else ""))
