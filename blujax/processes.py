@@ -1,20 +1,37 @@
-"""Several processes (hosts) in one run: keeping them in step, and who writes.
+"""Several processes (hosts) in one run: starting them, keeping them in step, and who writes.
 
-    procs = Processes.from_jax()             # after jax.distributed.initialize (or one process)
+    procs = processes.start()                # first of all; jax.distributed with several
     with procs.together():                   # set-up: all processes go on, or all stop
         loader = ...
     with procs.fail_fast():                  # training: one process failing ends them all
         state, stop = loop.run(state, step, loader, config, processes=procs, ...)
 
+    # every host, the same command (2 hosts here; ids 0 and 1):
+    BLUJAX_COORDINATOR=host0:1234 BLUJAX_NUM_PROCESSES=2 BLUJAX_PROCESS_ID=0 python train.py
+
+start() takes the coordinator, the process count and this process's id as arguments, else from
+those environment variables, else (the coordinator and id) from what jax.distributed detects
+under SLURM or Open MPI. Afterwards jax.devices() lists the devices of every host and
+sharding.make_mesh spans them (host-major, so a "tensor" group stays on one host when the
+tensor size divides the devices per host).
+
 Every process runs the same program over one mesh of all processes' devices (SPMD): it reads
-the same data, takes the same decisions and calls the same collectives in the same order.
-Only process 0 (the lead) writes the run's files and prints. A process that stops on its own
-(an error the others do not meet) would leave the others waiting in their next collective,
-so the set-up runs in `together()` blocks, after which all processes go on or all stop; the
-training runs in a `fail_fast()` block, where a process that stops (an error, or killed) ends
-the others within seconds, even those waiting inside a collective; and a signal that reaches
-some processes only stops all of them after the same step (blujax.loop polls for it every
-LoopConfig.stop_poll steps).
+the same data, takes the same decisions and calls the same collectives in the same order; it
+holds the whole batch and puts in the pieces its devices hold (global_array), which works on
+any mesh. Only process 0 (the lead) writes the run's files and prints; to save checkpoints,
+blujax.train.gather gives every process each array whole, and process 0 saves it. A process
+that stops on its own (an error the others do not meet) would leave the others waiting in
+their next collective, so the set-up runs in `together()` blocks, after which all processes go
+on or all stop; the training runs in a `fail_fast()` block, where a process that stops (an
+error, or killed) ends the others within seconds, even those waiting inside a collective; and
+a signal that reaches some processes only stops all of them after the same step (blujax.loop
+polls for it every LoopConfig.stop_poll steps).
+
+To try it on one machine with CPU devices (two processes of 4 devices, gloo collectives):
+
+    for i in 0 1; do JAX_PLATFORMS=cpu JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo \\
+      XLA_FLAGS=--xla_force_host_platform_device_count=4 BLUJAX_COORDINATOR=localhost:12355 \\
+      BLUJAX_NUM_PROCESSES=2 BLUJAX_PROCESS_ID=$i python my_run.py & done; wait
 """
 
 from __future__ import annotations
@@ -45,8 +62,8 @@ EXIT_STOPPED = 2  # a process ended because another one stopped
 
 
 class ProcessError(Exception):
-    """The processes of a run disagree (on a setting, a folder, a checkpoint), or another one
-    stopped with an error."""
+    """The processes of a run cannot start, disagree (on a setting, a folder, a checkpoint), or
+    another one stopped with an error."""
 
 
 class OtherProcessFailed(ProcessError):
@@ -62,6 +79,10 @@ class OtherProcessFailed(ProcessError):
 # the process ending with status 2): its own, never the echo of another process's failure in
 # a collective. A program adds its own (the command line adds its usage error).
 ERRORS = (ProcessError, DataError, CheckpointError)
+
+# Where start() finds what it is not given.
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
+    "BLUJAX_COORDINATOR", "BLUJAX_NUM_PROCESSES", "BLUJAX_PROCESS_ID")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +174,50 @@ class Processes:
         if self.count == 1:
             return jax.device_put(host, sharding_)
         return jax.make_array_from_callback(host.shape, sharding_, lambda index: host[index])
+
+
+def start(coordinator: str | None = None, num_processes: int | None = None,
+          process_id: int | None = None, *, errors: tuple = ERRORS,
+          local_device_ids=None) -> Processes:
+    """This process's place in the run, with jax.distributed started when there are several:
+    call it before anything asks JAX for its devices. Left out, coordinator ("HOST:PORT" of
+    process 0's host), num_processes and process_id come from ENV_COORDINATOR,
+    ENV_NUM_PROCESSES and ENV_PROCESS_ID, else num_processes is 1 and the others are what
+    JAX detects (SLURM, Open MPI). errors: as Processes'. ProcessError for values that cannot
+    start a run, or a start that fails."""
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES, 1)
+    if num_processes < 1:
+        raise ProcessError(f"the number of processes must be at least 1, got {num_processes}")
+    if num_processes == 1:
+        return Processes(errors=errors)
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID, None)
+    if process_id is not None and not 0 <= process_id < num_processes:
+        raise ProcessError(f"the process id must lie in [0, {num_processes}), got {process_id}")
+    given = {"coordinator_address": coordinator, "process_id": process_id}
+    try:
+        jax.distributed.initialize(num_processes=num_processes, local_device_ids=local_device_ids,
+                                   **{k: v for k, v in given.items() if v is not None})
+    except (ValueError, RuntimeError) as e:
+        raise ProcessError(f"could not start a run of {num_processes} processes: {e} (give "
+                           f"process 0's HOST:PORT and this process's id: {ENV_COORDINATOR}, "
+                           f"{ENV_PROCESS_ID})") from None
+    if jax.process_count() != num_processes:
+        raise ProcessError(f"{num_processes} processes asked for, but JAX started "
+                           f"{jax.process_count()}")
+    return Processes(jax.process_index(), num_processes, errors)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ProcessError(f"{name}={value} is not a whole number") from None
 
 
 def _client():

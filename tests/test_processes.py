@@ -15,20 +15,18 @@ pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow
 # Process `failer` stops at iteration 3 (as `mode` says) while the other goes on calling
 # collectives. It prints on stdout when it stops. Shorter waits than a real run's.
 _SCRIPT = """
-import argparse, os, signal, sys, time
+import os, signal, sys, time
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from blujax import processes as lib
-from blujax.cli import processes
-from blujax.cli.settings import UsageError
+from blujax import processes
+from blujax.cli.settings import USER_ERRORS, UsageError
 
-lib.SILENT_S = lib.EXIT_GRACE_S = 3.0
+processes.SILENT_S = processes.EXIT_GRACE_S = 3.0
 
 
 def main():
     index, port, mode, failer = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-    procs = processes.start(argparse.Namespace(coordinator=f"localhost:{port}",
-                                               num_processes=2, process_id=index))
+    procs = processes.start(f"localhost:{port}", 2, index, errors=USER_ERRORS)
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
     x = procs.global_array(np.ones(jax.device_count(), np.float32),
@@ -175,7 +173,7 @@ class _FakeStore:
 def fake_run(monkeypatch):
     """Process 0 of 2 over a fake store; no watcher at work and nothing ended at exit."""
     from blujax import processes
-    from blujax.cli.processes import USER_ERRORS
+    from blujax.cli.settings import USER_ERRORS
     store = _FakeStore()
     monkeypatch.setattr(processes, "_client", lambda: store)
     monkeypatch.setattr(processes, "_leaving", [])
@@ -244,3 +242,28 @@ def test_fail_fast_does_nothing_with_one_process():
     with pytest.raises(ZeroDivisionError):
         with processes.Processes().fail_fast():
             1 / 0
+
+
+def test_start_takes_its_arguments_else_the_environment(monkeypatch):
+    """One process needs nothing started; the count, the id and their environment variables
+    are checked before jax.distributed is asked (the two-process runs above start it)."""
+    from blujax import processes
+    for name in (processes.ENV_COORDINATOR, processes.ENV_NUM_PROCESSES,
+                 processes.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    procs = processes.start()
+    assert (procs.index, procs.count, procs.lead) == (0, 1, True)
+    monkeypatch.setenv(processes.ENV_NUM_PROCESSES, "two")
+    with pytest.raises(processes.ProcessError, match="^BLUJAX_NUM_PROCESSES=two is not a whole "
+                                                     "number$"):
+        processes.start()
+    assert processes.start(num_processes=1).count == 1  # an argument comes first
+    with pytest.raises(processes.ProcessError, match="must be at least 1, got 0"):
+        processes.start(num_processes=0)
+    monkeypatch.setenv(processes.ENV_NUM_PROCESSES, "1")
+    monkeypatch.setenv(processes.ENV_PROCESS_ID, "x")
+    assert processes.start().count == 1  # one process: its id is not looked at
+    with pytest.raises(processes.ProcessError, match="BLUJAX_PROCESS_ID=x is not a whole"):
+        processes.start(num_processes=2)
+    with pytest.raises(processes.ProcessError, match=r"must lie in \[0, 2\), got 2"):
+        processes.start(num_processes=2, process_id=2)

@@ -26,7 +26,6 @@ several processes blujax.processes, the step blujax.train. The modules, in the o
 uses them:
     parser.py     the flags of each command, with their help
     settings.py   a run's settings, their defaults and checks; UsageError
-    processes.py  starting several processes (hosts) from the flags
     run.py        the run folder: config.json and the checkpoints in it
     lock.py       one run per folder: the lock on --out
     train.py      `train`: settings, folder and data checks, then blujax.loop.run
@@ -39,13 +38,11 @@ from __future__ import annotations
 
 import sys
 
-from blujax.checkpoint import CheckpointError
 from blujax.cli.export import cmd_export
 from blujax.cli.generate import cmd_eval, cmd_sample
 from blujax.cli.parser import build_parser
-from blujax.cli.settings import UsageError
+from blujax.cli.settings import USER_ERRORS
 from blujax.cli.train import cmd_train
-from blujax.data import DataError
 
 EXIT_USAGE = 2
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "sample": cmd_sample, "export": cmd_export}
@@ -59,6 +56,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, DataError, CheckpointError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,7 +1,7 @@
 """A training run's settings: what they are, their defaults, and the checks on them.
 
-Also UsageError, the error of every problem the user can fix, which the whole command line
-raises.
+Also UsageError, the error of every problem with the flags that the user can fix, and
+USER_ERRORS, every error main() says in one line (exit status 2).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from pathlib import Path
 
 import jax
 
-from blujax import model
+from blujax import model, processes
+from blujax.interop import InteropError
+from blujax.loop import TrainingError
+from blujax.metrics import MetricsError
 from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch
 from blujax.train import TrainConfig
 
@@ -24,6 +27,12 @@ SAMPLE_PROMPT = "Hello, I'm a"
 class UsageError(Exception):
     """A problem the user can fix (a flag, a file, the environment): main() prints the message
     as one line and returns 2, without a traceback."""
+
+
+# The errors of the user's own making, the command line's and the library's (bad data, a
+# checkpoint, several processes, weights to import): main() prints them in one line and
+# returns 2, and with several processes each is a process's own (Processes.fail_fast).
+USER_ERRORS = (UsageError, *processes.ERRORS, TrainingError, MetricsError, InteropError)
 
 
 @dataclasses.dataclass
@@ -208,6 +217,24 @@ def parallel_devices(s: TrainSettings) -> list:
     """The devices a run uses: the first dp x tp x cp of jax.devices() (all of them, with
     several processes: check_parallel)."""
     return jax.devices()[:s.n_devices]
+
+
+def check_process_flags(args):
+    """--num-processes, --process-id and --coordinator fit together (blujax.processes.start
+    checks what it takes from the environment)."""
+    count = args.num_processes
+    if count is not None and count < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {count}")
+    several = (count > 1 if count is not None
+               else bool(os.environ.get(processes.ENV_NUM_PROCESSES)))
+    given = [f for f, v in (("--coordinator", args.coordinator),
+                            ("--process-id", args.process_id)) if v is not None]
+    if given and not several:
+        raise UsageError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+                         f"a run of several processes: give --num-processes too")
+    if count and args.process_id is not None and not 0 <= args.process_id < count:
+        raise UsageError(f"--process-id must lie in [0, --num-processes {count}), got "
+                         f"{args.process_id}")
 
 
 def model_preset(name: str):

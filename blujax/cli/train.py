@@ -16,15 +16,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax import data, hellaswag, loop, metrics, model, sharding
+from blujax import data, hellaswag, loop, metrics, model, processes, sharding
 from blujax.checkpoint import Checkpointer
-from blujax.cli import processes, report, run
+from blujax.cli import report, run
 from blujax.cli.lock import RunLock
 from blujax.cli.generate import (GPT2_VOCAB, check_gpt2_vocab, encode, generate_text,
                                  load_pretrained)
-from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, TrainSettings, UsageError,
-                                 check_settings, model_preset, parallel_devices,
-                                 resolve_train_settings, run_model_config, training_config)
+from blujax.cli.settings import (PARALLEL_KEYS, SAMPLE_PROMPT, USER_ERRORS, TrainSettings,
+                                 UsageError, check_process_flags, check_settings, model_preset,
+                                 parallel_devices, resolve_train_settings, run_model_config,
+                                 training_config)
 from blujax.model import ops as model_ops
 from blujax.sharding.mesh import check_batch, mesh_sizes
 from blujax.train import (batch_sharding, gather, init_state, make_eval_step, make_train_step,
@@ -36,12 +37,11 @@ EXIT_INTERRUPTED = 130
 def cmd_train(args) -> int:
     # First of all: with several processes, jax.distributed must start before anything asks
     # JAX for its devices (the settings' defaults do).
-    procs = processes.start(args)
-    try:
-        with contextlib.ExitStack() as held:  # the run folder's lock, until the command ends
-            return _train(args, procs, held)
-    except processes.LIBRARY_ERRORS as e:  # main() prints its own kinds of error only
-        raise UsageError(str(e)) from None
+    check_process_flags(args)
+    procs = processes.start(args.coordinator, args.num_processes, args.process_id,
+                            errors=USER_ERRORS)
+    with contextlib.ExitStack() as held:  # the run folder's lock, until the command ends
+        return _train(args, procs, held)
 
 
 def _train(args, procs: processes.Processes, held: contextlib.ExitStack) -> int:

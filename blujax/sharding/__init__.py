@@ -8,17 +8,16 @@ mesh, where each parameter lives on it, and the per-device hooks of the one trai
     state, metrics = step(state, inputs, targets)
 
 mesh.py: the mesh and its checks; layout.py: the logical-axis -> mesh-axis rules and where
-each leaf lives; parallel.py: the model's per-device hooks; ring.py: ring attention;
-distributed.py: several hosts.
+each leaf lives; parallel.py: the model's per-device hooks; ring.py: ring attention. (A
+mesh over several hosts: blujax.processes.start first.)
 """
 
-from blujax.sharding.distributed import initialize
 from blujax.sharding.layout import RULES, Layout, state_shardings
 from blujax.sharding.mesh import AXES, CONTEXT, DATA, TENSOR, make_mesh
 from blujax.sharding.parallel import Parallel
 from blujax.sharding.ring import ring_attention, zigzag
 
 __all__ = [
-    "AXES", "CONTEXT", "DATA", "RULES", "TENSOR", "Layout", "Parallel", "initialize",
+    "AXES", "CONTEXT", "DATA", "RULES", "TENSOR", "Layout", "Parallel",
     "make_mesh", "ring_attention", "state_shardings", "zigzag",
 ]
