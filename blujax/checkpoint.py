@@ -38,13 +38,18 @@ wait(), close() or raise_if_failed() (which a training loop calls each step, so 
 at once rather than at the next save). check_writable() proves before training that a
 checkpoint can be written at all.
 
-A checkpoint that fails verification raises CorruptCheckpointError. restore_latest() falls
-back past those to the newest that verifies, telling the caller of each one skipped (and of
-each step directory whose manifest is gone); restore(..., partial=True) restores a subtree
-(the parameters, say) reading and verifying only its arrays:
+A checkpoint that fails verification raises CorruptCheckpointError. restore(...,
+fallback=True) falls back past those to the newest that verifies, telling the caller of each
+one skipped (and of each step directory whose manifest is gone); restore(..., partial=True)
+restores a subtree (the parameters, say) reading and verifying only its arrays:
 
-    r = ckpt.restore_latest(like={"params": params}, partial=True,
-                            on_skip=lambda path, reason: print(f"skipped {path}: {reason}"))
+    r = ckpt.restore(like={"params": params}, partial=True, fallback=True,
+                     on_skip=lambda path, reason: print(f"skipped {path}: {reason}"))
+
+A tree whose layout has changed since a checkpoint was saved (an array reshaped, say) is still
+restored: `earlier` names the layouts it once had (EarlierLayout: `like` in that layout, and
+the function that upgrades such a tree), and the checkpoint's stored shapes pick the one it
+is in.
 
 In a run of several JAX processes, process 0 saves (the others open the directory read-only,
 or not at all), and every array must be whole on it: its shards there cover the array, as
@@ -64,7 +69,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +79,7 @@ FORMAT = "blujax-checkpoint"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TIDY = (".tmp-step_", ".old-step_", ".trash-step_", ".probe-")  # left by an interrupted save
-NO_MANIFEST = "no manifest.json (deleted or never finished)"  # restore_latest's skip reason
+NO_MANIFEST = "no manifest.json (deleted or never finished)"  # a fallback's skip reason
 
 
 class CheckpointError(Exception):
@@ -125,6 +130,17 @@ class Restored:
     loader: dict | None            # the loader state saved with it
     config: dict | None            # the config saved with it (a dataclass comes back a dict)
     path: Path
+    upgraded: bool = False         # saved in an EarlierLayout, and upgraded as it was read
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlierLayout:
+    """A layout a tree was saved in once: `like` in that layout (the key paths and shapes a
+    checkpoint of then has), and upgrade(tree), which turns a tree restored into it into
+    today's."""
+
+    like: Any
+    upgrade: Callable[[Any], Any]
 
 
 def _is_key(x) -> bool:
@@ -236,7 +252,8 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints here, ascending (none if the directory does not
-        exist, which only a read-only Checkpointer allows). Not verified: see restore_latest."""
+        exist, which only a read-only Checkpointer allows). Not verified: see restore's
+        fallback."""
         return sorted(s for s, p in self._step_dirs().items() if _has_manifest(p))
 
     def incomplete_steps(self) -> list[int]:
@@ -521,7 +538,8 @@ class Checkpointer:
         manifest = _read_manifest(path)
         return {k: manifest[k] for k in ("step", "loader", "config", "time")}
 
-    def restore(self, like=None, step: int | None = None, *, partial: bool = False) -> Restored:
+    def restore(self, like=None, step: int | None = None, *, partial: bool = False,
+                fallback: bool = False, on_skip=None, earlier=()) -> Restored:
         """Restores checkpoint `step` (default: the latest) into the structure of `like`.
 
         Each leaf of `like` (array or jax.ShapeDtypeStruct) sets the shape and dtype expected
@@ -534,19 +552,24 @@ class Checkpointer:
         `like` must match the saved tree leaf for leaf, unless partial=True: then it may be
         a part of it (like={"params": ...} of a tree saved with its optimizer state), and
         only the chunks of its arrays are read and verified (and the manifest).
-        """
-        return self._restore(self._path_for(step), like, partial)
 
-    def restore_latest(self, like=None, *, partial: bool = False, on_skip=None) -> Restored:
-        """Restores the newest checkpoint that verifies, as restore() would.
-
-        Tries the step directories newest first. One that fails verification or cannot be
-        read (CorruptCheckpointError), or has no manifest.json, is skipped, and reported
-        as on_skip(path, reason) before the next is tried: reason is the error without the
-        path, or NO_MANIFEST. A tree that does not match is no reason to fall back: that
+        fallback=True (step None) restores the newest checkpoint that verifies: it tries the
+        step directories newest first, and one that fails verification or cannot be read
+        (CorruptCheckpointError), or has no manifest.json, is skipped, and reported as
+        on_skip(path, reason) before the next is tried (reason: the error without the path,
+        or NO_MANIFEST). A tree that does not match is no reason to fall back: that
         CheckpointError is raised at once. Raises FileNotFoundError if there is no step
         directory, CheckpointError naming each one tried if none verifies.
+
+        earlier: EarlierLayouts of the tree; a checkpoint whose stored shapes are not like's
+        but one of theirs is restored into that one, upgraded, and placed as `like` says
+        (Restored.upgraded).
         """
+        if not fallback:
+            return self._restore(self._path_for(step), like, partial, earlier)
+        if step is not None:
+            raise ValueError(f"restore: fallback=True restores the newest checkpoint that "
+                             f"verifies, so step must be None, got {step}")
         self.wait()
         dirs = self._step_dirs()
         tried = []
@@ -555,7 +578,7 @@ class Checkpointer:
             reason = NO_MANIFEST
             if _has_manifest(path):
                 try:
-                    return self._restore(path, like, partial)
+                    return self._restore(path, like, partial, earlier)
                 except CorruptCheckpointError as e:
                     reason = e.reason
                 except FileNotFoundError:  # its manifest.json went meanwhile
@@ -570,29 +593,40 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint in {self.directory} can be restored: "
                               + "; ".join(tried))
 
-    def _restore(self, path: Path, like, partial: bool) -> Restored:
+    def _restore(self, path: Path, like, partial: bool, earlier=()) -> Restored:
         manifest = _read_manifest(path)
         records = {r["path"]: r for r in manifest["arrays"]}
         if like is None:
             tree = {name: _ArrayReader(path, r).read_all() for name, r in records.items()}
-        else:
-            leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-            names = [jax.tree_util.keystr(p) for p, _ in leaves]
-            missing = [n for n in names if n not in records]
-            extra = [] if partial else [n for n in records if n not in set(names)]
-            if missing or extra:
-                raise CheckpointError(
-                    f"checkpoint {path} does not match the tree to restore into: "
-                    + (f"not in the checkpoint: {', '.join(missing[:5])}"
-                       + (" ..." if len(missing) > 5 else "") if missing else "")
-                    + ("; " if missing and extra else "")
-                    + (f"in the checkpoint but not in the tree: {', '.join(extra[:5])}"
-                       + (" ..." if len(extra) > 5 else "") if extra else ""))
-            tree = jax.tree_util.tree_unflatten(
-                treedef, [_restore_leaf(path, records[n], leaf)
-                          for n, (_, leaf) in zip(names, leaves)])
+            return Restored(manifest["step"], tree, manifest.get("loader"),
+                            manifest.get("config"), path)
+        layout = None
+        if not _fits(records, like, partial):
+            layout = next((e for e in earlier if _fits(records, e.like, partial)), None)
+        tree = self._restore_into(path, records, like if layout is None else layout.like,
+                                  partial)
+        if layout is not None:
+            tree = jax.tree.map(_place_as, layout.upgrade(tree), like)
         return Restored(manifest["step"], tree, manifest.get("loader"), manifest.get("config"),
-                        path)
+                        path, upgraded=layout is not None)
+
+    @staticmethod
+    def _restore_into(path: Path, records: dict, like, partial: bool):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+        names = [jax.tree_util.keystr(p) for p, _ in leaves]
+        missing = [n for n in names if n not in records]
+        extra = [] if partial else [n for n in records if n not in set(names)]
+        if missing or extra:
+            raise CheckpointError(
+                f"checkpoint {path} does not match the tree to restore into: "
+                + (f"not in the checkpoint: {', '.join(missing[:5])}"
+                   + (" ..." if len(missing) > 5 else "") if missing else "")
+                + ("; " if missing and extra else "")
+                + (f"in the checkpoint but not in the tree: {', '.join(extra[:5])}"
+                   + (" ..." if len(extra) > 5 else "") if extra else ""))
+        return jax.tree_util.tree_unflatten(
+            treedef, [_restore_leaf(path, records[n], leaf)
+                      for n, (_, leaf) in zip(names, leaves)])
 
     def _path_for(self, step: int | None) -> Path:
         self.wait()
@@ -610,6 +644,22 @@ class Checkpointer:
 
 def _has_manifest(step_dir: Path) -> bool:
     return (step_dir / "manifest.json").is_file()
+
+
+def _fits(records: dict, like, partial: bool) -> bool:
+    """Whether a checkpoint's arrays (its manifest's records) have the key paths and shapes of
+    like's leaves (a key's stored shape is its data's, which no layout changes: not compared)."""
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(like)[0]}
+    if not partial and set(records) != set(leaves):
+        return False
+    return all(name in records and (_is_key(x) or list(np.shape(x)) == records[name]["shape"])
+               for name, x in leaves.items())
+
+
+def _place_as(x, like):
+    """x where like's sharding says, if it has one (an upgraded leaf: made where it was read)."""
+    sharding = getattr(like, "sharding", None)
+    return x if sharding is None or isinstance(x, np.ndarray) else jax.device_put(x, sharding)
 
 
 def _write_chunk(root: Path, name: str, index, data: np.ndarray) -> dict:

@@ -33,16 +33,19 @@ import signal
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
 
-from blujax.checkpoint import NO_MANIFEST, Checkpointer, Restored
+from blujax.checkpoint import NO_MANIFEST, Checkpointer, EarlierLayout, Restored
 from blujax.data import DataError
 from blujax.metrics import mfu
+from blujax.model import family_of
 from blujax.processes import Processes
+from blujax.sharding.layout import map_moments
 from blujax.train import TrainState
 
 FINISHED, SIGNAL, ERROR = "finished", "signal", "error"
@@ -215,7 +218,7 @@ def state_of(tree: dict) -> TrainState:
     return TrainState(tree["step"], tree["params"], tree["opt_state"])
 
 
-def restore_latest(directory, like: dict, *, params_only: bool = False,
+def restore_latest(directory, like: dict, *, config=None, params_only: bool = False,
                    warn: Callable[[str], None] | None = None) -> Restored:
     """The newest checkpoint in `directory` that verifies (a checkpoint.Restored: .tree,
     .step, .loader), restored into `like` (a checkpoint_tree, of arrays or of
@@ -226,19 +229,45 @@ def restore_latest(directory, like: dict, *, params_only: bool = False,
     warn() for each (none if warn is None); if none verifies, CheckpointError says what was
     tried; FileNotFoundError if there is none. params_only=True restores the parameters alone
     ({"params": ...}), reading and verifying only them: what evaluating and sampling need, so
-    that a damaged optimizer state does not stop them."""
+    that a damaged optimizer state does not stop them. config: the model's; with it, a
+    checkpoint that an earlier blujax wrote in its family's earlier parameter layout (the
+    family's legacy_params) is read too, converted (a note to warn())."""
     reader = Checkpointer(directory, read_only=True)
     if params_only:
         like = {"params": like["params"]}
     skipped = []
-    restored = reader.restore_latest(like, partial=params_only,
-                                     on_skip=lambda path, why: skipped.append((path, why)))
+    restored = reader.restore(like, partial=params_only, fallback=True,
+                              on_skip=lambda path, why: skipped.append((path, why)),
+                              earlier=earlier_layouts(like, config))
     if warn is not None:
         for path, why in skipped:
             what = (f"{path} has {why}" if why == NO_MANIFEST
                     else f"checkpoint {path} is corrupt ({why})")
             warn(f"warning: {what}: skipped; restoring step {restored.step} instead")
+        if restored.upgraded:
+            warn(f"note: {restored.path} has an earlier blujax's parameter layout: converted "
+                 f"as it is read")
     return restored
+
+
+def earlier_layouts(like: dict, config) -> tuple[EarlierLayout, ...]:
+    """The layouts a checkpoint_tree like `like` was saved in by earlier versions: its
+    family's legacy_params / upgrade_params (applied to the params and AdamW's moments), if it
+    has them."""
+    family = None if config is None else family_of(config)
+    if not hasattr(family, "legacy_params"):
+        return ()
+    return (EarlierLayout(jax.eval_shape(partial(map_params, family.legacy_params), like),
+                          partial(map_params, family.upgrade_params)),)
+
+
+def map_params(f: Callable, tree: dict) -> dict:
+    """A checkpoint_tree with f applied to its params and to every params-shaped part of its
+    optimizer state (AdamW's moments)."""
+    out = {**tree, "params": f(tree["params"])}
+    if "opt_state" in tree:
+        out["opt_state"] = map_moments(f, tree["opt_state"], jax.tree.structure(tree["params"]))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

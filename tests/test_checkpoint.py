@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from blujax.checkpoint import (NO_MANIFEST, Checkpointer, CheckpointError,
-                               CorruptCheckpointError)
+                               CorruptCheckpointError, EarlierLayout)
 
 
 @dataclasses.dataclass
@@ -485,7 +485,7 @@ def test_save_over_a_damaged_step_and_prune_around_damage(tmp_path, rng, monkeyp
         ckpt.save(step, {"x": x * step * 10})
         np.testing.assert_array_equal(ckpt.restore({"x": x}, step).tree["x"], x * step * 10)
     assert ckpt.steps() == [4, 5] and ckpt.incomplete_steps() == []
-    assert ckpt.restore_latest({"x": x}, on_skip=no_skip).step == 5
+    assert ckpt.restore({"x": x}, fallback=True, on_skip=no_skip).step == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
     np.testing.assert_array_equal(ckpt.restore(like={"x": x}).tree["x"], x * 5 * 10)
 
@@ -535,10 +535,10 @@ def three_checkpoints(tmp_path, rng):
     return ckpt, states
 
 
-def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
+def test_restore_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
     ckpt, states = three_checkpoints(tmp_path, rng)
     like = states[0]
-    r = ckpt.restore_latest(like, on_skip=no_skip)
+    r = ckpt.restore(like, fallback=True, on_skip=no_skip)
     assert r.step == 3 and r.loader == {"batch": 3}
     assert_trees_equal(states[2], r.tree)
 
@@ -547,21 +547,24 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         ckpt.restore(like=like)
     skipped = []
-    r = ckpt.restore_latest(like, on_skip=lambda path, why: skipped.append((path, why)))
+    r = ckpt.restore(like, fallback=True,
+                     on_skip=lambda path, why: skipped.append((path, why)))
     assert r.step == 2 and r.loader == {"batch": 2} and r.path == tmp_path / "step_00000002"
     assert_trees_equal(states[1], r.tree)  # bit for bit
     (path, why), = skipped
     assert path == step3
     assert why.startswith("array ['params']['wte'] (arrays/") and "checksum mismatch" in why
     # The parameters of a corrupt checkpoint are not restored in part either.
-    r = ckpt.restore_latest({"params": like["params"]}, partial=True, on_skip=lambda *a: None)
+    r = ckpt.restore({"params": like["params"]}, fallback=True, partial=True,
+                     on_skip=lambda *a: None)
     assert r.step == 2
 
     # Step 2's manifest deleted as well: skipped, reported, and step 1 restored.
     (tmp_path / "step_00000002" / "manifest.json").unlink()
     assert ckpt.steps() == [1, 3] and ckpt.incomplete_steps() == [2]
     skipped = []
-    r = ckpt.restore_latest(like, on_skip=lambda path, why: skipped.append((path.name, why)))
+    r = ckpt.restore(like, fallback=True,
+                     on_skip=lambda path, why: skipped.append((path.name, why)))
     assert r.step == 1
     assert_trees_equal(states[0], r.tree)
     assert [name for name, _ in skipped] == ["step_00000003", "step_00000002"]
@@ -571,7 +574,7 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
     wrong = dict(like, scale=np.zeros(3))
     with pytest.raises(CheckpointError, match=r"\['scale'\] has shape \[\], the tree \[3\]") \
             as raised:
-        ckpt.restore_latest(wrong, on_skip=lambda *a: None)
+        ckpt.restore(wrong, fallback=True, on_skip=lambda *a: None)
     assert not isinstance(raised.value, CorruptCheckpointError)
 
     # None verifies: one error naming each one tried.
@@ -580,9 +583,9 @@ def test_restore_latest_falls_back_past_a_corrupt_checkpoint(tmp_path, rng):
                                               r"step_00000003: array .*checksum mismatch.*; "
                                               rf"step_00000002: {re.escape(NO_MANIFEST)}; "
                                               r"step_00000001: manifest.json is corrupt"):
-        ckpt.restore_latest(like)
+        ckpt.restore(like, fallback=True)
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        Checkpointer(tmp_path / "empty").restore_latest(like)
+        Checkpointer(tmp_path / "empty").restore(like, fallback=True)
 
 
 def test_partial_restore_reads_only_its_arrays(tmp_path, rng):
@@ -599,11 +602,12 @@ def test_partial_restore_reads_only_its_arrays(tmp_path, rng):
     r = ckpt.restore(like=params_like, partial=True)
     assert r.step == 3 and list(r.tree) == ["params"]
     assert_trees_equal({"params": states[2]["params"]}, r.tree)
-    r = ckpt.restore_latest(params_like, partial=True, on_skip=no_skip)
+    r = ckpt.restore(params_like, fallback=True, partial=True, on_skip=no_skip)
     assert r.step == 3
     # ... while resuming, which needs the optimizer state too, falls back.
     skipped = []
-    r = ckpt.restore_latest(states[0], on_skip=lambda path, why: skipped.append(why))
+    r = ckpt.restore(states[0], fallback=True,
+                     on_skip=lambda path, why: skipped.append(why))
     assert r.step == 2
     assert len(skipped) == 1 and "['opt_state'][0].nu['wte']" in skipped[0]
     # The manifest is checked all the same.
@@ -613,26 +617,24 @@ def test_partial_restore_reads_only_its_arrays(tmp_path, rng):
         ckpt.restore(like=params_like, partial=True)
 
 
-def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypatch):
-    from blujax.cli import run
+def test_loop_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng):
+    from blujax import loop
 
-    out = tmp_path / "run"
-    ckpt = Checkpointer(run.checkpoint_dir(out), async_save=False)
+    ckpt = Checkpointer(tmp_path, async_save=False)
     states = []
     for step in (4, 8, 12):
         state = make_state(rng)
         ckpt.save(step, state, loader={"batch": step})
         states.append(state)
-    monkeypatch.setattr(run, "_checkpoint_like", lambda s, model_config, ops: states[0])
-    step12, step8 = (run.checkpoint_dir(out) / f"step_{n:08d}" for n in (12, 8))
+    step12, step8 = (tmp_path / f"step_{n:08d}" for n in (12, 8))
 
     mu = array_file(step12, "['opt_state'][0].mu['wte']")
     flip_byte(mu)
     warnings = []
-    r = run.restore_latest(out, None, None, None, params_only=True, warn=warnings.append)
+    r = loop.restore_latest(tmp_path, states[0], params_only=True, warn=warnings.append)
     assert r.step == 12 and list(r.tree) == ["params"] and warnings == []
     assert_trees_equal({"params": states[2]["params"]}, r.tree)
-    r = run.restore_latest(out, None, None, None, warn=warnings.append)
+    r = loop.restore_latest(tmp_path, states[0], warn=warnings.append)
     assert r.step == 8 and r.loader == {"batch": 8}
     assert_trees_equal(states[1], r.tree)
     assert warnings == [
@@ -642,17 +644,50 @@ def test_run_restore_latest_warns_per_skipped_checkpoint(tmp_path, rng, monkeypa
 
     warnings.clear()
     (step8 / "manifest.json").unlink()
-    r = run.restore_latest(out, None, None, None, warn=warnings.append)
+    r = loop.restore_latest(tmp_path, states[0], warn=warnings.append)
     assert r.step == 4
     assert len(warnings) == 2 and warnings[1] == (
         f"warning: {step8} has no manifest.json (deleted or never finished): skipped; "
         f"restoring step 4 instead")
-    assert run.restore_latest(out, None, None, None).step == 4  # warn=None: silent
-    assert run.checkpoint_steps(out) == [4, 12]  # the complete ones, as before
+    assert loop.restore_latest(tmp_path, states[0]).step == 4  # warn=None: silent
+    assert ckpt.steps() == [4, 12]  # the complete ones, as before
 
-    for step_dir in (step12, run.checkpoint_dir(out) / "step_00000004"):
+    for step_dir in (step12, tmp_path / "step_00000004"):
         flip_byte(array_file(step_dir, "['params']['wte']"))
     with pytest.raises(CheckpointError, match=r"^no checkpoint in \S+ can be restored: "
                                               r"step_00000012: .*; step_00000008: .*; "
                                               r"step_00000004: array \['params'\]\['wte'\]"):
-        run.restore_latest(out, None, None, None, params_only=True, warn=warnings.append)
+        loop.restore_latest(tmp_path, states[0], params_only=True, warn=warnings.append)
+
+
+# --------------------------------------------------------------------------------------------
+# A tree whose layout changed since it was saved: the stored shapes pick the layout.
+
+
+def test_a_checkpoint_in_an_earlier_layout_is_upgraded(tmp_path, rng):
+    """A tree that once kept "w" flat [6] (now [2, 3]) and "b" as it is: its checkpoints of
+    then and of now both restore into today's layout, whichever is newest, and the layout is
+    told by the stored shapes, not by any error."""
+    w, b = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 3), 4))
+    today = {"w": jnp.asarray(w), "b": jnp.asarray(b)}
+    flat = {"w": jnp.asarray(w).reshape(6), "b": jnp.asarray(b)}
+    earlier = EarlierLayout(like=jax.eval_shape(lambda t: {**t, "w": t["w"].reshape(6)}, today),
+                            upgrade=lambda t: {**t, "w": t["w"].reshape(2, 3)})
+    ckpt = Checkpointer(tmp_path, keep=None, async_save=False)
+    ckpt.save(1, flat)
+    ckpt.save(2, today)
+    like = jax.eval_shape(lambda t: t, today)
+    for step, upgraded in ((1, True), (2, False)):
+        r = ckpt.restore(like, step, earlier=[earlier])
+        assert r.upgraded == upgraded
+        assert_trees_equal(today, r.tree)
+    with pytest.raises(CheckpointError, match=r"array \['w'\] has shape \[6\], the tree "
+                                              r"\[2, 3\]"):
+        ckpt.restore(like, 1)  # without the earlier layout: the mismatch as ever
+    # The newest verifying checkpoint, in either layout; a partial restore too.
+    flip_byte(array_file(tmp_path / "step_00000002", "['w']"))
+    r = ckpt.restore(like, fallback=True, on_skip=lambda *a: None, earlier=[earlier])
+    assert r.step == 1 and r.upgraded
+    assert_trees_equal(today, r.tree)
+    r = ckpt.restore({"b": like["b"]}, 1, partial=True, earlier=[earlier])
+    assert not r.upgraded and np.asarray(r.tree["b"]).tobytes() == b.tobytes()

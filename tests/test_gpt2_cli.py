@@ -18,13 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from blujax import cli, loop
-from blujax.cli import parser as cli_parser, run as cli_run
-from blujax.cli.settings import TrainSettings
+from blujax import cli, loop, train
+from blujax.cli import parser as cli_parser
 from blujax.checkpoint import Checkpointer
 from blujax.data import corpus as data_corpus
 from blujax.model import gpt2
-from blujax.model import ops as model_ops
 from tests.util import rel_close
 
 pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
@@ -171,16 +169,17 @@ def test_a_checkpoint_in_the_earlier_layout_is_converted(trained, tmp_path, caps
     params and AdamW's moments): eval reads it with the same loss, --resume goes on from it."""
     old = tmp_path / "old"
     shutil.copytree(trained, old)
-    config = json.loads((old / "config.json").read_text())
-    s = TrainSettings(**config["settings"])
-    r = cli_run.restore_latest(old, s, gpt2.PRESETS["tiny"], model_ops.get(s.ops))
-    tree = cli_run._map_params(gpt2.legacy_params, r.tree)
+    r = Checkpointer(old / "ckpt").restore(loop.checkpoint_tree(
+        train.init_state(gpt2.PRESETS["tiny"], train.TrainConfig(steps=1), jax.random.key(0)),
+        sample_key=jax.random.key(0)))
+    tree = loop.map_params(gpt2.legacy_params, r.tree)
     C = gpt2.PRESETS["tiny"].n_embd
     assert tree["params"]["blocks"]["attn"]["w"].shape == (2, C, 3 * C)
     assert tree["opt_state"][1].mu["blocks"]["attn"]["b"].shape == (2, 3 * C)
     shutil.rmtree(old / "ckpt")
     with Checkpointer(old / "ckpt", async_save=False) as ckpt:
         ckpt.save(r.step, tree, loader=r.loader, config=r.config)
+    config = json.loads((old / "config.json").read_text())
     del config["model"]["family"]  # as runs of then wrote it
     (old / "config.json").write_text(json.dumps(config))
 

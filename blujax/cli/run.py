@@ -12,18 +12,15 @@ import dataclasses
 import json
 import os
 import shutil
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import jax
 
-from blujax import loop
-from blujax.checkpoint import CheckpointError, Checkpointer, Restored
+from blujax import loop, model
+from blujax.checkpoint import Checkpointer, Restored
 from blujax.cli.settings import TrainSettings, UsageError, training_config
 from blujax.data import DataSource
-from blujax import model
-from blujax.sharding.layout import map_moments
 from blujax.train import TrainConfig, init_state
 
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt")
@@ -102,41 +99,12 @@ def restore_latest(out: Path, s: TrainSettings, model_config, ops, *,
     if not reader.steps() and not reader.incomplete_steps():
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
     like = _checkpoint_like(s, model_config, ops)
-    try:
-        try:
-            return loop.restore_latest(checkpoint_dir(out), like, params_only=params_only,
-                                       warn=warn)
-        except CheckpointError as e:
-            if "has shape" not in str(e):
-                raise
-            family = model.family_of(model_config)
-            if not hasattr(family, "legacy_params"):
-                raise
-            # A checkpoint of an earlier blujax, whose parameter layout differed: read in
-            # that layout, then converted (the numbers are the same).
-            old = jax.eval_shape(partial(_map_params, family.legacy_params), like)
-            try:
-                restored = loop.restore_latest(checkpoint_dir(out), old,
-                                               params_only=params_only, warn=warn)
-            except CheckpointError:
-                raise e from None
-            if warn is not None:
-                warn(f"note: {restored.path} has an earlier blujax's parameter layout: "
-                     f"converted as it is read")
-            return dataclasses.replace(restored, tree=_map_params(family.upgrade_params,
-                                                                  restored.tree))
+    try:  # an earlier blujax's parameter layout is converted as it is read
+        return loop.restore_latest(checkpoint_dir(out), like, config=model_config,
+                                   params_only=params_only, warn=warn)
     except FileNotFoundError:  # deleted since the listing
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
             from None
-
-
-def _map_params(f, tree: dict) -> dict:
-    """A checkpoint tree with f applied to its params and to every params-shaped part of its
-    optimizer state (AdamW's moments)."""
-    out = {**tree, "params": f(tree["params"])}
-    if "opt_state" in tree:
-        out["opt_state"] = map_moments(f, tree["opt_state"], jax.tree.structure(tree["params"]))
-    return out
 
 
 def _checkpoint_like(s: TrainSettings, model_config, ops):
