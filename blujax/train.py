@@ -228,6 +228,18 @@ def gather(tree):
     return jax.jit(lambda x: x, out_shardings=replicated)(tree)
 
 
+def local_copy(tree, mesh):
+    """A tree of arrays on `mesh` (None: on one device already, returned as it is) whole on
+    this process's first device: what single-device code (sampling, HellaSwag) takes. Every
+    process calls it (a collective with several)."""
+    if mesh is None:
+        return tree
+    tree = gather(tree)
+    if jax.process_count() > 1:  # replicated: each process's first piece is all of it
+        return jax.tree.map(lambda x: x.addressable_data(0), tree)
+    return jax.device_put(tree, jax.local_devices()[0])
+
+
 def batch_sharding(mesh) -> NamedSharding | None:
     """How a global batch [accum_steps, B, T] is best placed: B over "data" (None: one
     device). (On several hosts, where each process holds the whole batch, build it with

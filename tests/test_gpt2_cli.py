@@ -223,7 +223,7 @@ def _assert_usage_error(status, err, message):
     (["--data", "no/such/*.bin", *TINY_MODEL], "the pattern matches no files"),
     ([*TINY_MODEL, "--cp", "0"], "--cp must be at least 1, got 0"),
     ([*TINY_MODEL, "--dp", "3", "--tp", "3", "--cp", "1024"],
-     "--dp 3 x --tp 3 x --cp 1024 = 9216 devices, but JAX has"),
+     "data 3 x tensor 3 x context 1024 = 9216 devices, but JAX has"),
     ([*TINY_MODEL, "--process-id", "1"], "--process-id applies to a run of several processes: "
                                          "give --num-processes too"),
     ([*TINY_MODEL, "--num-processes", "2", "--process-id", "2"],
@@ -277,7 +277,9 @@ def test_parallel_run_matches_one_device_and_resumes_on_another_mesh(corpus, tmp
 
     # The run's mesh, unless given: dp 4 x tp 2 x cp 2 needs 16 devices.
     status, _, err = _run(capsys, "train", "--resume", "--out", par, "--dp", 4)
-    _assert_usage_error(status, err, "--dp 4 x --tp 2 x --cp 2 = 16 devices, but JAX has 8")
+    _assert_usage_error(status, err, "data 4 x tensor 2 x context 2 = 16 devices, but JAX has "
+                                     "8")
+    assert "(--dp 4, --tp 2, --cp 2)" in err
     status, stdout, _ = _run(capsys, "train", "--resume", "--out", par, "--dp", 4, "--tp", 1,
                              "--cp", 1, "--no-progress")
     assert status == 0 and "resuming after step 2" in stdout

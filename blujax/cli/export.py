@@ -13,19 +13,13 @@ from pathlib import Path
 import jax
 
 from blujax import interop
-from blujax.cli import report
-from blujax.cli.run import load_run, restore_latest
-from blujax.cli.settings import TrainSettings, UsageError, run_model_config
-from blujax.model import ops as model_ops
+from blujax.cli.run import latest_params
+from blujax.cli.settings import UsageError
 
 
 def cmd_export(args) -> int:
     out = Path(args.out)
-    run = load_run(out)
-    s = TrainSettings(**run["settings"])
-    config = run_model_config(run)
-    restored = restore_latest(out, s, config, model_ops.get(s.ops), params_only=True,
-                              warn=report.warn)
+    config, _, restored = latest_params(out)
     params = jax.device_get(restored.tree["params"])
     try:
         if args.format == "hf":
@@ -37,8 +31,6 @@ def cmd_export(args) -> int:
         else:
             path = interop.export_llmc(params, config, args.to, dtype=args.dtype)
             what = f"an llm.c model file ({args.dtype})"
-    except interop.InteropError as e:
-        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot write {args.to}: {e.strerror or e}") from None
     print(f"step {restored.step} of {out} written to {path}: {what}")

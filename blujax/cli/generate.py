@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax import data, evaluate, hellaswag, interop, sample
-from blujax.cli import report
-from blujax.cli.run import load_run, restore_latest
-from blujax.cli.settings import (TrainSettings, UsageError, check_number, defaults,
-                                 on_accelerator, run_model_config, training_config)
+from blujax.cli import run
+from blujax.cli.settings import (TrainSettings, UsageError, check_counts, check_number,
+                                 defaults, on_accelerator, training_config)
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
-
-GPT2_VOCAB = 50257
+from blujax.vocab import GPT2_VOCAB_SIZE
 
 
 @dataclasses.dataclass
@@ -44,39 +42,25 @@ def load_model(args) -> Model:
     if args.init_from is not None:
         if args.out is not None:
             raise UsageError("--out and --init-from name two models: give one")
-        pre = load_pretrained(args.init_from)
+        pre = interop.load_pretrained(args.init_from)
         model = Model(pre.config, jax.device_put(pre.params), args.init_from, "ffi",
                       defaults(on_accelerator())["dtype"])
     else:
         out = Path(args.out or "out")
-        run = load_run(out)
-        s = TrainSettings(**run["settings"])
-        config = run_model_config(run)
-        ops = model_ops.get(args.ops or s.ops)
-        restored = restore_latest(out, s, config, ops, params_only=True, warn=report.warn)
+        config, s, restored = run.latest_params(out)
         model = Model(config, restored.tree["params"], f"step {restored.step} of {out}", s.ops,
                       s.dtype, s, restored.step)
     model.ops = args.ops or model.ops
-    model.dtype = getattr(args, "dtype", None) or model.dtype
+    model.dtype = args.dtype or model.dtype
     return model
-
-
-def load_pretrained(src: str) -> interop.Pretrained:
-    try:
-        return interop.load_pretrained(src)
-    except interop.InteropError as e:
-        raise UsageError(str(e)) from None
 
 
 def cmd_eval(args) -> int:
     model = load_model(args)
     ops = model_ops.get(model.ops)
     s = model.settings
-    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.eval_batches is not None and args.eval_batches < 0:
-        raise UsageError(f"--eval-batches must be >= 0, got {args.eval_batches}")
+    check_counts({"--batch": args.batch, "--seq": args.seq}, 1)
+    check_counts({"--eval-batches": args.eval_batches}, 0)
     if args.data is None and s is None and args.hellaswag is None:
         raise UsageError("nothing to evaluate: give --data FILE (a validation loss) or "
                          "--hellaswag [FILE] with --init-from")
@@ -101,8 +85,9 @@ def cmd_eval(args) -> int:
     elif s is not None:  # the run's own validation batches: what its val_loss measured
         result.update(_run_val_loss(model, ops, args), data=s.data)
     if args.hellaswag is not None:
-        result.update(score_hellaswag(model.params, model.config, ops, model.dtype,
-                                      args.hellaswag, progress=not args.no_progress))
+        items = hellaswag_items(model.config, args.hellaswag, progress=not args.no_progress)
+        result.update(hellaswag.score(model.params, model.config, items, ops=ops,
+                                      dtype=DTYPES[model.dtype]))
     parts = [f"{model.name}:"]
     if "val_loss" in result:
         parts.append(f"val loss {result['val_loss']:.4f} ({result['batches']} batches of "
@@ -140,31 +125,27 @@ def _run_val_loss(model: Model, ops, args) -> dict:
             "seq": s.seq, "tokens": sum(int(x.size) for x, _ in batches)}
 
 
-def score_hellaswag(params, config, ops, dtype: str, path: str, *, progress: bool) -> dict:
-    """HellaSwag's hellaswag_acc, hellaswag_acc_norm and hellaswag_n for the items of `path`
-    ("": the official validation set, downloaded once)."""
-    check_gpt2_vocab(config, "HellaSwag")
-    items = hellaswag.load_items(path or hellaswag.default_path(progress=progress))
-    return hellaswag.score(params, config, items, ops=ops, dtype=DTYPES[dtype])
+def hellaswag_items(config, path: str, *, progress: bool) -> list:
+    """HellaSwag's items in `path` ("": the official validation set, downloaded once)."""
+    require_gpt2_vocab(config, "HellaSwag")
+    return hellaswag.load_items(path or hellaswag.default_path(progress=progress))
 
 
-def check_gpt2_vocab(config, what: str):
+def require_gpt2_vocab(config, what: str):
     """Text reaches a model through GPT-2's encoding: refused for another vocabulary."""
-    if config.vocab_size != GPT2_VOCAB:
+    if config.vocab_size != GPT2_VOCAB_SIZE:
         raise UsageError(f"{what} needs GPT-2's encoding, and the model's vocabulary has "
-                         f"{config.vocab_size} tokens, not {GPT2_VOCAB}: give it token "
+                         f"{config.vocab_size} tokens, not {GPT2_VOCAB_SIZE}: give it token "
                          f"shards made for it instead of text")
 
 
 def cmd_sample(args) -> int:
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be at least 1, got {args.num_samples}")
-    if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    check_counts({"--num-samples": args.num_samples}, 1)
+    check_counts({"--max-new-tokens": args.max_new_tokens}, 0)
     check_number("--temperature", args.temperature, low=0)
     model = load_model(args)
     config = model.config
-    check_gpt2_vocab(config, "sampling from a text prompt")
+    require_gpt2_vocab(config, "sampling from a text prompt")
     if not 0 <= args.top_k <= config.vocab_size:
         raise UsageError(f"--top-k must lie in [0, {config.vocab_size}], got {args.top_k}")
     top_k = args.top_k or None
@@ -175,11 +156,12 @@ def cmd_sample(args) -> int:
         raise UsageError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's block_size "
                          f"({config.block_size})")
+    seed = 0 if args.seed is None else args.seed
     texts = generate_text(model.params, config, model_ops.get(model.ops), model.dtype,
-                          args.prompt, key=jax.random.key(args.seed),
+                          args.prompt, key=jax.random.key(seed),
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=top_k, num_samples=args.num_samples)
-    print(f"# {model.name}, seed {args.seed}, temperature {args.temperature}, "
+    print(f"# {model.name}, seed {seed}, temperature {args.temperature}, "
           f"top-k {top_k or 'off'}")
     for i, text in enumerate(texts):
         print(f"--- sample {i + 1} ---\n{text}")
@@ -202,6 +184,5 @@ def generate_text(params, model_config, ops, dtype: str, prompt: str, *, key, ma
     ids = enc.encode_ordinary(prompt)
     tokens = sample.generate(params, jnp.asarray([ids] * num_samples, jnp.int32),
                              config=model_config, key=key, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_k=top_k, ops=ops,
-                             dtype=DTYPES[dtype])
+                             temperature=temperature, top_k=top_k, ops=ops, dtype=DTYPES[dtype])
     return [enc.decode([t for t in row if t < enc.n_vocab]) for row in np.asarray(tokens)]

@@ -3,7 +3,7 @@
 config.json records the run's settings, model, training config, data and device; `eval`,
 `sample` and `train --resume` read it back. A checkpoint holds the parameters, optimizer
 state, step and sampling key (blujax.loop.checkpoint_tree), with the data loader's position
-beside them.
+beside them; blujax.startup reads it.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
 
 import jax
 
-from blujax import loop, model
-from blujax.checkpoint import Checkpointer, Restored
-from blujax.cli.settings import TrainSettings, UsageError, training_config
-from blujax.data import DataSource
-from blujax.train import TrainConfig, init_state
+from blujax import model, startup
+from blujax.checkpoint import Checkpointer
+from blujax.cli.report import warn
+from blujax.cli.settings import TrainSettings, UsageError, run_model_config
+from blujax.data import DataLoader, DataSource
+from blujax.train import TrainConfig
 
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt")
 
@@ -46,9 +46,22 @@ def load_run(out: Path) -> dict:
         raise UsageError(f"{path} is not valid JSON ({e})") from None
 
 
-def describe_run(s: TrainSettings, model_config, train_config: TrainConfig,
-                 params, source: DataSource, train_tokens: int, fingerprint: str,
-                 n_devices: int = 1, n_processes: int = 1, init_from: dict | None = None) -> dict:
+def latest_params(out: Path):
+    """(model config, settings, the newest checkpoint's parameters that verify) of the run in
+    `out` (restored by blujax.startup.latest_params)."""
+    saved = load_run(out)
+    config = run_model_config(saved)
+    try:
+        restored = startup.latest_params(checkpoint_dir(out), config, warn=warn)
+    except FileNotFoundError:
+        raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
+            from None
+    return config, TrainSettings(**saved["settings"]), restored
+
+
+def describe_run(s: TrainSettings, model_config, train_config: TrainConfig, params,
+                 source: DataSource, loader: DataLoader, n_processes: int = 1,
+                 init_from: dict | None = None) -> dict:
     """What config.json holds. init_from: where the initial weights came from
     (blujax.interop.Pretrained.source), for a run started from pretrained weights."""
     device = jax.devices()[0]
@@ -60,9 +73,9 @@ def describe_run(s: TrainSettings, model_config, train_config: TrainConfig,
         "train": dataclasses.asdict(train_config),
         "data": {"description": source.description, "spec": s.data,
                  "train": [str(p) for p in source.train], "val": [str(p) for p in source.val],
-                 "train_tokens": train_tokens, "fingerprint": fingerprint},
+                 "train_tokens": sum(loader.counts), "fingerprint": loader.state()["shards"]},
         "device": {"platform": device.platform, "kind": device.device_kind,
-                   "count": n_devices, "processes": n_processes},
+                   "count": s.n_devices, "processes": n_processes},
         "jax": jax.__version__,
     }
 
@@ -80,39 +93,40 @@ def clear_run(out: Path):
     shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoints
+def has_steps_to_train(out: Path, args, s: TrainSettings, saved: dict | None,
+                       stop_after: int, lead: bool = True) -> bool:
+    """Whether there is training to do in `out`: resuming (saved: its config.json), a
+    checkpoint to continue from that is short of stop_after; starting, no earlier run there
+    (unless --overwrite). Only the lead process says so."""
+    # Read-only: a run saving there now is left alone.
+    existing = Checkpointer(checkpoint_dir(out), read_only=True).steps()
+    if args.resume:
+        if not existing:
+            raise UsageError(f"--resume: {out} holds no checkpoint to continue from (nothing "
+                             f"in {checkpoint_dir(out)})")
+        if args.steps is not None and existing[-1] >= s.steps:
+            # A --steps that extends nothing: not the run's own count, or one already reached.
+            extension(saved, s, existing[-1])
+        if existing[-1] >= stop_after:
+            if lead:
+                print(f"{out}: the run is already at step {existing[-1]} (of {s.steps}); "
+                      f"nothing to train")
+            return False
+    elif (existing or config_path(out).exists()) and not args.overwrite:
+        raise UsageError(f"{out} already holds a run"
+                         + (f" (checkpoint of step {existing[-1]})" if existing else "")
+                         + ": --resume continues it, --overwrite starts it again, or choose "
+                           "another --out")
+    return True
 
 
-def checkpoint_steps(out: Path) -> list[int]:
-    """The steps of the run's checkpoints, read-only: a run saving there now is left alone."""
-    return Checkpointer(checkpoint_dir(out), read_only=True).steps()
-
-
-def restore_latest(out: Path, s: TrainSettings, model_config, ops, *,
-                   params_only: bool = False,
-                   warn: Callable[[str], None] | None = None) -> Restored:
-    """The newest checkpoint of the run in `out` that verifies, on this process's first
-    device: blujax.loop.restore_latest, which falls back past damaged ones (a line to warn()
-    for each)."""
-    reader = Checkpointer(checkpoint_dir(out), read_only=True)
-    if not reader.steps() and not reader.incomplete_steps():
-        raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})")
-    like = _checkpoint_like(s, model_config, ops)
-    try:  # an earlier blujax's parameter layout is converted as it is read
-        return loop.restore_latest(checkpoint_dir(out), like, config=model_config,
-                                   params_only=params_only, warn=warn)
-    except FileNotFoundError:  # deleted since the listing
-        raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
-            from None
-
-
-def _checkpoint_like(s: TrainSettings, model_config, ops):
-    """The structure, shapes and dtypes of a checkpoint's tree, without computing it."""
-    train_config = training_config(s)
-
-    def build(key):
-        state = init_state(model_config, train_config, key, ops=ops)
-        return loop.checkpoint_tree(state, sample_key=key)
-
-    return jax.eval_shape(build, jax.random.key(0))
+def extension(saved: dict, s: TrainSettings, at_step: int) -> dict | None:
+    """A resumed run given another --steps: the record config.json keeps of it (None if
+    --steps is the run's). It must leave steps to train after the checkpoint."""
+    before = saved["settings"]["steps"]
+    if s.steps == before:
+        return None
+    if s.steps <= at_step:
+        raise UsageError(f"--resume --steps {s.steps}: the run is already at step {at_step} "
+                         f"(of {before}); give more steps than that to extend it")
+    return {"at_step": at_step, "steps_before": before, "steps_after": s.steps}

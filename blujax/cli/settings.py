@@ -17,7 +17,7 @@ from blujax import model, processes
 from blujax.interop import InteropError
 from blujax.loop import TrainingError
 from blujax.metrics import MetricsError
-from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch
+from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, mesh_devices
 from blujax.train import TrainConfig
 
 # What the samples at the end of training, and `sample` by default, continue.
@@ -29,45 +29,42 @@ class UsageError(Exception):
     as one line and returns 2, without a traceback."""
 
 
-# The errors of the user's own making, the command line's and the library's (bad data, a
-# checkpoint, several processes, weights to import): main() prints them in one line and
-# returns 2, and with several processes each is a process's own (Processes.fail_fast).
+# The errors of the user's own making, the command line's and the library's: main() prints
+# them in one line and returns 2 (with several processes: Processes.fail_fast's `errors`).
 USER_ERRORS = (UsageError, *processes.ERRORS, TrainingError, MetricsError, InteropError)
 
 
 @dataclasses.dataclass
 class TrainSettings:
-    """Every setting of a training run. Those in COMPUTE_KEYS decide its numbers, so a resumed
-    run must keep them; the others only say what to measure and write, and may change."""
+    """Every setting of a training run, with its default on a CPU (a small model that trains
+    for a few minutes; ACCELERATOR_DEFAULTS on a GPU). Those in COMPUTE_KEYS decide its
+    numbers, so a resumed run must keep them; the others only say what to measure and write,
+    and may change. warmup and eval_every follow steps (resolve_train_settings)."""
 
-    data: str | None
-    model: str
-    steps: int
-    batch: int
-    seq: int
-    accum: int
-    ops: str
-    dtype: str
-    seed: int
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    weight_decay: float
-    grad_clip: float
-    remat: bool
-    eval_every: int
-    eval_batches: int
-    save_every: int
-    sample_tokens: int
-    # The device mesh (blujax.sharding). Defaults here, for the config.json of runs from before
-    # these settings.
-    dp: int = 1
+    data: str | None = None
+    model: str = "small"
+    steps: int = 150
+    batch: int = 8
+    seq: int = 64
+    accum: int = 1
+    ops: str = "ffi"
+    dtype: str = "f32"
+    seed: int = 0
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    remat: bool = False
+    eval_every: int | None = None
+    eval_batches: int = 4
+    save_every: int = 0
+    sample_tokens: int = 64
+    dp: int = 1  # the device mesh (blujax.sharding)
     tp: int = 1
     cp: int = 1
     zero: bool = False
-    # The pretrained weights the run started from (blujax.interop.load_pretrained's SRC);
-    # None: a new model of the preset `model`.
-    init_from: str | None = None
+    init_from: str | None = None  # pretrained weights to start from (None: a new `model`)
     # HellaSwag at every validation: the items' file ("": the official set, downloaded).
     hellaswag: str | None = None
 
@@ -76,6 +73,9 @@ class TrainSettings:
         return self.dp * self.tp * self.cp
 
 
+# GPT-2 124M in bf16.
+ACCELERATOR_DEFAULTS = dict(model="gpt2", steps=200, batch=16, seq=1024, dtype="bf16",
+                            lr=6e-4, eval_batches=8)
 COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed", "lr",
                 "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat", "init_from")
 # How the run is spread over devices: the same numbers up to rounding, so a resumed run keeps
@@ -90,18 +90,9 @@ def on_accelerator() -> bool:
 
 
 def defaults(accelerator: bool) -> dict:
-    """Defaults that depend on where JAX runs: GPT-2 124M in bf16 on a GPU; on a CPU a small
-    model that trains for a few minutes. (warmup and eval_every follow --steps: see
-    resolve_train_settings.)"""
-    if accelerator:
-        base = dict(model="gpt2", steps=200, batch=16, seq=1024, dtype="bf16", lr=6e-4,
-                    eval_batches=8)
-    else:
-        base = dict(model="small", steps=150, batch=8, seq=64, dtype="f32", lr=1e-3,
-                    eval_batches=4)
-    return dict(base, data=None, accum=1, ops="ffi", seed=0, min_lr_ratio=0.1,
-                weight_decay=0.1, grad_clip=1.0, remat=False, save_every=0, sample_tokens=64,
-                dp=1, tp=1, cp=1, zero=False, init_from=None, hellaswag=None)
+    """The settings' defaults where JAX runs on an accelerator, or not."""
+    cpu = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    return dict(cpu, **ACCELERATOR_DEFAULTS) if accelerator else cpu
 
 
 def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
@@ -129,9 +120,9 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
             raise UsageError("--model and --init-from: the model's shape comes from the weights "
                              "--init-from names; drop --model")
         values = dict(defaults(on_accelerator()), **given)
-        if "warmup" not in values:
+        if values["warmup"] is None:
             values["warmup"] = values["steps"] // 10
-        if "eval_every" not in values:
+        if values["eval_every"] is None:
             values["eval_every"] = max(1, values["steps"] // 10)
     values["data"] = _data_spec(values["data"])
     return TrainSettings(**{f.name: values[f.name] for f in dataclasses.fields(TrainSettings)})
@@ -146,13 +137,11 @@ def _data_spec(spec: str | None) -> str | None:
 
 def check_settings(s: TrainSettings, model_config):
     """Refuses settings that cannot train, before anything is read or compiled."""
-    for name in ("steps", "batch", "seq", "accum", "eval_batches"):
-        if getattr(s, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got "
-                             f"{getattr(s, name)}")
-    for name in ("warmup", "eval_every", "save_every", "sample_tokens"):
-        if getattr(s, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+    def flags(*names):
+        return {f"--{name.replace('_', '-')}": getattr(s, name) for name in names}
+
+    check_counts(flags("steps", "batch", "seq", "accum", "eval_batches", "dp", "tp", "cp"), 1)
+    check_counts(flags("warmup", "eval_every", "save_every", "sample_tokens"), 0)
     check_number("--lr", s.lr, low=0, low_open=True)
     check_number("--min-lr-ratio", s.min_lr_ratio, low=0, high=1)
     check_number("--weight-decay", s.weight_decay, low=0)
@@ -170,6 +159,13 @@ def check_settings(s: TrainSettings, model_config):
     check_parallel(s, model_config)
 
 
+def check_counts(flags: dict, least: int):
+    """Every count flag given ({flag: value or None}) is at least `least` (0 or 1)."""
+    for flag, value in flags.items():
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be {'at least 1' if least else '>= 0'}, got {value}")
+
+
 def check_number(flag: str, value: float, *, low: float | None = None, high: float | None = None,
                  low_open: bool = False, why: str = ""):
     """A float flag must be finite (argparse takes "inf" and "nan") and within its bounds."""
@@ -185,46 +181,24 @@ def check_number(flag: str, value: float, *, low: float | None = None, high: flo
 def check_parallel(s: TrainSettings, model_config):
     """The mesh fits the devices, the model and the batches (blujax.sharding's checks), before
     anything is compiled."""
-    for name in ("dp", "tp", "cp"):
-        if getattr(s, name) < 1:
-            raise UsageError(f"--{name} must be at least 1, got {getattr(s, name)}")
-    n, have = s.n_devices, len(jax.devices())
-    if jax.process_count() > 1 and n != have:
-        # Every process's devices take part: a mesh on some of them would leave a process
-        # with nothing to compute.
-        raise UsageError(f"--dp {s.dp} x --tp {s.tp} x --cp {s.cp} = {n} devices, but the "
-                         f"{jax.process_count()} processes have {have} "
-                         f"({jax.default_backend()}) together; with several processes the "
-                         f"product must equal that count (the mesh spans all of them)")
-    if n > have:
-        raise UsageError(f"--dp {s.dp} x --tp {s.tp} x --cp {s.cp} = {n} devices, but JAX has "
-                         f"{have} ({jax.default_backend()}); the product must be at most the "
-                         f"device count (the run uses the first dp x tp x cp devices)")
-    if n == 1:
-        return
-    sizes = {DATA: s.dp, TENSOR: s.tp, CONTEXT: s.cp}
-    micro = s.batch // s.accum
+    flags, micro = f"--dp {s.dp}, --tp {s.tp}, --cp {s.cp}", s.batch // s.accum
     try:
-        model.family_of(model_config).check_mesh(model_config, sizes)
-        check_batch((micro, s.seq), sizes, model_config)
+        mesh_devices(s.dp, s.tp, s.cp)
+        if s.n_devices > 1:
+            sizes = {DATA: s.dp, TENSOR: s.tp, CONTEXT: s.cp}
+            flags += (f"; micro-batches of {micro} x --seq {s.seq} tokens, {s.model} has "
+                      f"{model_config.n_head} heads")
+            model.family_of(model_config).check_mesh(model_config, sizes)
+            check_batch((micro, s.seq), sizes, model_config)
     except ValueError as e:
-        raise UsageError(f"{str(e).removeprefix('blujax.sharding: ')} (--dp {s.dp}, --tp "
-                         f"{s.tp}, --cp {s.cp}; micro-batches of {micro} x --seq {s.seq} "
-                         f"tokens, {s.model} has {model_config.n_head} heads)") from None
-
-
-def parallel_devices(s: TrainSettings) -> list:
-    """The devices a run uses: the first dp x tp x cp of jax.devices() (all of them, with
-    several processes: check_parallel)."""
-    return jax.devices()[:s.n_devices]
+        raise UsageError(f"{str(e).removeprefix('blujax.sharding: ')} ({flags})") from None
 
 
 def check_process_flags(args):
     """--num-processes, --process-id and --coordinator fit together (blujax.processes.start
     checks what it takes from the environment)."""
     count = args.num_processes
-    if count is not None and count < 1:
-        raise UsageError(f"--num-processes must be at least 1, got {count}")
+    check_counts({"--num-processes": count}, 1)
     several = (count > 1 if count is not None
                else bool(os.environ.get(processes.ENV_NUM_PROCESSES)))
     given = [f for f, v in (("--coordinator", args.coordinator),
@@ -257,5 +231,4 @@ def run_model_config(run: dict):
 def training_config(s: TrainSettings) -> TrainConfig:
     return TrainConfig(steps=s.steps, learning_rate=s.lr, min_lr_ratio=s.min_lr_ratio,
                        warmup_steps=s.warmup, weight_decay=s.weight_decay,
-                       grad_clip=s.grad_clip, accum_steps=s.accum, dtype=s.dtype,
-                       remat=s.remat)
+                       grad_clip=s.grad_clip, accum_steps=s.accum, dtype=s.dtype, remat=s.remat)

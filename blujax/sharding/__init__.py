@@ -13,11 +13,11 @@ mesh over several hosts: blujax.processes.start first.)
 """
 
 from blujax.sharding.layout import RULES, Layout, state_shardings
-from blujax.sharding.mesh import AXES, CONTEXT, DATA, TENSOR, make_mesh
+from blujax.sharding.mesh import AXES, CONTEXT, DATA, TENSOR, make_mesh, mesh_devices
 from blujax.sharding.parallel import Parallel
 from blujax.sharding.ring import ring_attention, zigzag
 
 __all__ = [
     "AXES", "CONTEXT", "DATA", "RULES", "TENSOR", "Layout", "Parallel",
-    "make_mesh", "ring_attention", "state_shardings", "zigzag",
+    "make_mesh", "mesh_devices", "ring_attention", "state_shardings", "zigzag",
 ]

@@ -39,6 +39,23 @@ def make_mesh(data: int = 1, tensor: int = 1, context: int = 1, devices=None) ->
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def mesh_devices(data: int = 1, tensor: int = 1, context: int = 1) -> list:
+    """The devices a mesh of these sizes takes: the first data x tensor x context of
+    jax.devices(); with several processes, all of them (a process whose devices were left out
+    would have nothing to compute). ValueError if that is not what JAX has."""
+    n, have, processes = data * tensor * context, jax.device_count(), jax.process_count()
+    product = f"data {data} x tensor {tensor} x context {context} = {n} devices"
+    if processes > 1 and n != have:
+        raise ValueError(f"blujax.sharding: {product}, but the {processes} processes have "
+                         f"{have} ({jax.default_backend()}) together; with several processes "
+                         f"the product must equal that count (the mesh spans all of them)")
+    if n > have:
+        raise ValueError(f"blujax.sharding: {product}, but JAX has {have} "
+                         f"({jax.default_backend()}); the product must be at most the device "
+                         f"count (the mesh takes the first ones)")
+    return jax.devices()[:n]
+
+
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     """{"data": n, "tensor": n, "context": n} of a mesh with exactly these axes."""
     if set(mesh.axis_names) != set(AXES) or len(mesh.axis_names) != len(AXES):
