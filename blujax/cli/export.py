@@ -12,25 +12,29 @@ from pathlib import Path
 
 import jax
 
-from blujax import interop
+from blujax import interop, model
 from blujax.cli.run import latest_params
 from blujax.cli.settings import UsageError
 
+# llm.c's names of --dtype's values.
+LLMC_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
 
 def cmd_export(args) -> int:
-    out = Path(args.out)
+    out = Path(args.out or "out")
     config, _, restored = latest_params(out)
     params = jax.device_get(restored.tree["params"])
     try:
         if args.format == "hf":
-            if args.dtype != "float32":
+            if args.dtype not in (None, "f32"):
                 raise UsageError("--dtype applies to --format llmc; the Hugging Face export "
                                  "is float32")
             path = interop.export_hf(params, config, args.to)
-            what = "a Hugging Face GPT2LMHeadModel folder"
+            what = f"a Hugging Face {model.family_of(config).TITLE} folder"
         else:
-            path = interop.export_llmc(params, config, args.to, dtype=args.dtype)
-            what = f"an llm.c model file ({args.dtype})"
+            dtype = LLMC_DTYPES[args.dtype or "f32"]
+            path = interop.export_llmc(params, config, args.to, dtype=dtype)
+            what = f"an llm.c model file ({dtype})"
     except OSError as e:
         raise UsageError(f"cannot write {args.to}: {e.strerror or e}") from None
     print(f"step {restored.step} of {out} written to {path}: {what}")
