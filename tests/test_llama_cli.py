@@ -1,5 +1,5 @@
-"""`examples/gpt2.py` with --model llama-*: train, resume bit for bit, eval, sample, export to
-Hugging Face and back, and the same run on a mesh of emulated devices."""
+"""`examples/gpt2.py` with --model llama-* and qwen2-*: train, resume bit for bit, eval, sample,
+export to Hugging Face and back, and the same run on a mesh of emulated devices."""
 
 import json
 from pathlib import Path
@@ -13,22 +13,27 @@ from tests.test_gpt2_cli import _run, corpus, private_cache  # noqa: F401
 
 pytestmark = pytest.mark.slow  # end to end: outside the fast tier (-m "not slow")
 
-LLAMA = ["--model", "llama-tiny", "--batch", "4", "--seq", "32", "--lr", "1e-3",
-         "--no-progress", "--sample-tokens", "0"]
+SMALL = ["--batch", "4", "--seq", "32", "--lr", "1e-3", "--no-progress", "--sample-tokens", "0"]
+# (preset, family, how the run names it, the Hugging Face architecture it exports)
+FAMILIES = [("llama-tiny", "llama", "Llama", "LlamaForCausalLM"),
+            ("qwen2-tiny", "qwen2", "Qwen2", "Qwen2ForCausalLM")]
 
 
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_llama_trains_resumes_evaluates_samples_exports(corpus, tmp_path, capsys):  # noqa: F811
+@pytest.mark.parametrize("preset,family,title,arch", FAMILIES, ids=[f[1] for f in FAMILIES])
+def test_trains_resumes_evaluates_samples_exports(corpus, tmp_path, capsys,  # noqa: F811
+                                                  preset, family, title, arch):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    base = ["train", "--data", corpus, *LLAMA, "--steps", 4, "--eval-every", 2]
+    base = ["train", "--data", corpus, *SMALL, "--model", preset, "--steps", 4,
+            "--eval-every", 2]
     status, stdout, err = _run(capsys, *base, "--out", straight)
     assert status == 0, err
-    assert "Llama llama-tiny:" in stdout
+    assert f"{title} {preset}:" in stdout
     config = json.loads((straight / "config.json").read_text())
-    assert config["model"]["family"] == "llama" and config["model"]["n_kv_head"] == 1
+    assert config["model"]["family"] == family and config["model"]["n_kv_head"] == 1
 
     status, _, err = _run(capsys, *base, "--stop-after", 2, "--out", resumed)
     assert status == 0, err
@@ -48,7 +53,7 @@ def test_llama_trains_resumes_evaluates_samples_exports(corpus, tmp_path, capsys
     hf = tmp_path / "hf"
     status, _, err = _run(capsys, "export", "--out", straight, "--format", "hf", "--to", hf)
     assert status == 0, err
-    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((hf / "config.json").read_text())["architectures"] == [arch]
     same = ["--data", corpus, "--seq", 32, "--batch", 4, "--eval-batches", 8, "--dtype", "f32"]
     status, stdout, err = _run(capsys, "eval", "--init-from", hf, *same)
     assert status == 0, err
@@ -65,7 +70,8 @@ def test_llama_on_a_mesh_resumes_on_one_device(corpus, tmp_path, capsys):  # noq
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (the emulated CPUs of tests/conftest.py)")
     out = tmp_path / "mesh"
-    base = ["train", "--data", corpus, *LLAMA, "--steps", 4, "--eval-every", 0]
+    base = ["train", "--data", corpus, *SMALL, "--model", "llama-tiny", "--steps", 4,
+            "--eval-every", 0]
     status, stdout, err = _run(capsys, *base, "--dp", 2, "--cp", 2, "--stop-after", 2,
                                "--out", out)
     assert status == 0, err
