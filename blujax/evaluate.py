@@ -35,10 +35,11 @@ tokens (--seq T), read in order from the start of the evaluation tokens: row r o
 covers tokens [(k*B + r)*T, (k*B + r)*T + T], its first T the inputs and its last T the
 targets. Only whole rows count; the last batch may have fewer than B rows, so with all
 batches every whole row counts once and the loss does not depend on B. The evaluation
-tokens: of a text file, GPT-2's encode_ordinary of the whole UTF-8 text (no <|endoftext|>
-added anywhere); of a shard directory or glob, its validation shards (val as a word of the
-name, as in NAME_val_000000.bin) concatenated in name order (a row may span two shards); of
-one .bin shard, all its tokens."""
+tokens: of a text file, the whole UTF-8 text encoded by the model's tokenizer without
+special tokens (GPT-2's encode_ordinary for GPT-2: no <|endoftext|> or bos added anywhere); of
+a shard directory or glob, its validation shards (val as a word of the name, as in
+NAME_val_000000.bin) concatenated in name order (a row may span two shards); of one .bin
+shard, all its tokens."""
 
 
 def loss_batches(tokens, *, batch: int, seq: int,

@@ -1,11 +1,12 @@
 """HellaSwag: sentence completion, scored as build-nanogpt and llm.c score it.
 
-    items = load_items(default_path())        # the official validation set, 10,042 items
+    items = load_items(default_path(), tokenizer=tok)  # the official validation set, 10,042
+                                                       # items, in the model's tokenizer
     score(params, config, items, ops=blujax.kernels, dtype=jnp.bfloat16)
     # {"hellaswag_acc": ..., "hellaswag_acc_norm": ..., "hellaswag_n": 10042}
 
 Each item is a context and (four) endings, one of them right. The context is tokenized with
-GPT-2's encoding and each ending as " " + ending; an ending's score is the cross-entropy of its
+the model's tokenizer (GPT-2's by default) and each ending as " " + ending; an ending's score is the cross-entropy of its
 tokens given the context and the ending's tokens before them: their sum for acc, their mean
 for acc_norm (normalised by tokens, not by bytes as lm-evaluation-harness does). The
 prediction is the ending of the lowest score (the first of equal ones). A context too long
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from blujax import data
+from blujax.data.tokenizer import gpt2 as gpt2_tokenizer
 from blujax.evaluate import resolve
 from blujax.fetch import download, user_cache_dir
 from blujax.model import family_of
@@ -53,12 +55,13 @@ class Item:
     label: int
 
 
-def load_items(path, *, limit: int | None = None) -> list[Item]:
+def load_items(path, *, limit: int | None = None, tokenizer=None) -> list[Item]:
     """The items of an official-format HellaSwag .jsonl file (one JSON object a line with
-    `ctx`, `endings` and `label`), tokenized; the first `limit` of them if given. A line that
-    is not such an item raises blujax.data.TextError naming file:line."""
+    `ctx`, `endings` and `label`), tokenized with `tokenizer` (a blujax.data.Tokenizer, the
+    model's; None: GPT-2's); the first `limit` of them if given. A line that is not such an
+    item raises blujax.data.TextError naming file:line."""
     path = Path(path)
-    enc = data.get_encoding("gpt2")
+    tokenizer = tokenizer or gpt2_tokenizer()
     items = []
     try:
         f = open(path, "rb")
@@ -74,12 +77,12 @@ def load_items(path, *, limit: int | None = None) -> list[Item]:
                 continue
             text = data.decode_text(line, path, start, lineno).removeprefix("\ufeff")
             ctx, endings, label = _fields(text, f"{path}:{lineno}")
-            ctx_tokens = tuple(enc.encode_ordinary(ctx))
+            ctx_tokens = tuple(tokenizer.encode(ctx))
             if not ctx_tokens:
                 raise data.TextError(f"{path}:{lineno}: the context is empty: there is "
                                      f"nothing to condition the endings on")
             items.append(Item(ctx_tokens,
-                              tuple(tuple(enc.encode_ordinary(" " + e)) for e in endings),
+                              tuple(tuple(tokenizer.encode(" " + e)) for e in endings),
                               label))
     if not items:
         raise data.TextError(f"{path}: no HellaSwag items in the file")

@@ -38,6 +38,9 @@ import ml_dtypes  # bfloat16 for numpy; imported, it also names it for safetenso
 import numpy as np
 
 from blujax import vocab
+from blujax.data.errors import DataError
+from blujax.data.tokenizer import Tokenizer, find_tokenizer
+from blujax.data.tokenizer import gpt2 as gpt2_tokenizer
 from blujax.model import FAMILIES, family_of, gpt2
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
 LLMC_VERSIONS = {3: "float32", 5: "bfloat16"}  # both with the vocabulary padded
 _LLMC_OTHER_MAGICS = {
     20240520: "an llm.c token shard, not a model file",
+    20240801: "an llm.c token shard (uint32 tokens), not a model file",
     20240327: "an llm.c debug state file (gpt2_124M_debug_state.bin), not a model file",
     20240328: "an llm.c tokenizer file (gpt2_tokenizer.bin), not a model file",
     20240803: "an llm.c Llama 3 model file, which blujax does not read yet",
@@ -85,11 +89,14 @@ class Pretrained:
     up to a multiple of 128). params: our params pytree of float32 numpy arrays, the padded
     vocabulary rows zero. source: where it came from, JSON-able: {"kind": "hf" | "hub" |
     "llmc", "path": the folder or file read, "name": the hub name or the file's name}.
+    tokenizer: the model's own (a Hugging Face folder's tokenizer.json, or vocab.json and
+    merges.txt; GPT-2's for the hub's GPT-2s and llm.c files), None where the folder has none.
     """
     family: str
     config: Any
     params: dict
     source: dict
+    tokenizer: Tokenizer | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,8 +160,12 @@ def read_hf_dir(path: str | os.PathLike) -> Pretrained:
     except ValueError as e:
         where = files[0] if len(files) == 1 else folder
         raise InteropError(f"{where}: {e}") from None
+    try:
+        tokenizer = find_tokenizer(folder)
+    except DataError as e:
+        raise InteropError(str(e)) from None
     return Pretrained(family, config, params,
-                      {"kind": "hf", "path": str(folder), "name": folder.name})
+                      {"kind": "hf", "path": str(folder), "name": folder.name}, tokenizer)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -226,6 +237,7 @@ def _download(name: str) -> Pretrained:
                                f"{_first_line(e)}") from None
     pre = read_hf_dir(Path(got[0]).parent)
     pre.source = {"kind": "hub", "path": pre.source["path"], "name": name}
+    pre.tokenizer = gpt2_tokenizer()  # the hub's GPT-2s
     return pre
 
 
@@ -287,7 +299,7 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
         at += n
     params = gpt2.from_llmc(arrays, config)
     return Pretrained("gpt2", config, params,
-                      {"kind": "llmc", "path": str(path), "name": path.name})
+                      {"kind": "llmc", "path": str(path), "name": path.name}, gpt2_tokenizer())
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,16 +307,19 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
 
 
 def export_hf(params, config, directory: str | os.PathLike, *,
-              tokenizer: bool = True) -> Path:
+              tokenizer: Tokenizer | bool | None = True) -> Path:
     """Writes params (ours; numpy or jax arrays) into directory so that transformers'
     AutoModelForCausalLM.from_pretrained(directory) loads them (as the family's HF_ARCHITECTURE:
     GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM) and computes our logits on the
     unpadded vocabulary: config.json and model.safetensors (float32, save_pretrained's names).
 
-    With tokenizer=True and a vocabulary of GPT-2's size, GPT-2's tokenizer files go alongside
-    (vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json) where tiktoken's
-    cache holds them (`gpt2_tokenizer_files`); otherwise they are skipped with a log note (logger
-    blujax.interop, INFO), never an error. Returns the directory."""
+    tokenizer: the model's (blujax.data.Tokenizer): a Hugging Face tokenizer's files are copied
+    alongside, and config.json names its bos and eos tokens. GPT-2's (or True, with a
+    vocabulary of GPT-2's size) writes GPT-2's files (vocab.json, merges.txt,
+    tokenizer_config.json, special_tokens_map.json) where tiktoken's cache holds them
+    (`gpt2_tokenizer_files`); otherwise they are skipped with a log note (logger
+    blujax.interop, INFO), never an error. None or False: no tokenizer files. Returns the
+    directory."""
     from safetensors.numpy import save_file
 
     folder = Path(directory)
@@ -313,6 +328,8 @@ def export_hf(params, config, directory: str | os.PathLike, *,
     model = _family_of(config)
     try:
         hf = model.hf_config(config)
+        if isinstance(tokenizer, Tokenizer) and not tokenizer.is_gpt2:
+            hf.update(bos_token_id=tokenizer.doc_token, eos_token_id=tokenizer.stop_tokens[0])
         tensors = model.to_hf(params, config)
     except ValueError as e:
         raise InteropError(f"cannot export to {folder}: {e}") from None
@@ -327,7 +344,11 @@ def export_hf(params, config, directory: str | os.PathLike, *,
         os.replace(tmp, folder / "model.safetensors")
     finally:
         tmp.unlink(missing_ok=True)
-    if tokenizer:
+    if isinstance(tokenizer, Tokenizer) and not tokenizer.is_gpt2:
+        written = tokenizer.save(folder)
+        log.info("%s: wrote the tokenizer of %s (%s)", folder, tokenizer.name,
+                 ", ".join(written))
+    elif tokenizer:
         _export_tokenizer(folder, config)
     return folder
 

@@ -9,6 +9,12 @@ without installing transformers.
     python scripts/make_fixtures.py --family qwen2 --out tests/fixtures/hf_qwen2_tiny
         # a small random Qwen2ForCausalLM: biases on q, k and v, a RoPE theta that is neither
         # transformers' nor our default, a tied head
+    python scripts/make_fixtures.py --family llama-bpe --corpus tinyshakespeare.txt \
+            --out tests/fixtures/hf_llama_bpe
+        # a small random LlamaForCausalLM that speaks its own tokenizer: a byte-level BPE of
+        # 1000 tokens trained by `tokenizers` on the corpus (bos <|begin_of_text|>, eos
+        # <|end_of_text|>), an excerpt of the corpus, the loss transformers computes over it as
+        # the tokenizer encodes it (blujax.evaluate's rows), and a greedy generate()
     python scripts/make_fixtures.py --check-export DIR --expected FILE.npz [--atol 1e-4]
         # GPT2LMHeadModel.from_pretrained(DIR) (a folder blujax.interop.export_hf wrote) on
         # FILE.npz's `tokens` (int [B, T]): its logits against FILE.npz's `logits` ([B, T, V],
@@ -51,6 +57,17 @@ QWEN2_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=320, num
                     use_sliding_window=False, bos_token_id=999, eos_token_id=999)
 TOKENS_SHAPE = (2, 32)
 SEED = 0
+# The model of its own tokenizer: ids 0 and 1 the tokenizer's bos and eos.
+BPE_VOCAB = 1000
+BPE_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
+BPE_LLAMA_CONFIG = dict(vocab_size=BPE_VOCAB, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+BPE_SEQ = 64            # the evaluation's rows: BPE_SEQ + 1 tokens, as blujax.evaluate reads
+BPE_EXCERPT = 4000      # characters of the corpus's end, the evaluation text
+BPE_PROMPT = "ROMEO:\nWhat"
+BPE_NEW_TOKENS = 24
 
 
 def _import_torch():
@@ -66,6 +83,94 @@ def _import_torch():
 def _versions(torch, transformers) -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def _randomize(torch, model) -> None:
+    """Every parameter re-drawn to be non-trivial (see the module's docstring)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # tied: one tensor
+                p.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight"):  # Llama's and Qwen2's RMSNorm scales
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("wte.weight"):
+                p.normal_(0.0, 0.2)  # the tied head too: logits of a few units
+            elif name.endswith("wpe.weight"):
+                p.normal_(0.0, 0.1)
+            elif ".ln_" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):  # GPT-2's, Qwen2's q, k and v
+                p.normal_(0.0, 0.05)
+            else:
+                p.normal_(0.0, 0.08)
+
+
+def make_bpe(out: Path, corpus: Path) -> None:
+    """A LlamaForCausalLM with a tokenizer of its own (see the module's docstring)."""
+    torch, transformers = _import_torch()
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    text = corpus.read_text(encoding="utf-8")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text.split("\n\n"), trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=list(BPE_SPECIALS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == BPE_VOCAB, tok.get_vocab_size()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BPE_SPECIALS[0],
+                                                eos_token=BPE_SPECIALS[1])
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    config = transformers.LlamaConfig(**BPE_LLAMA_CONFIG, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    _randomize(torch, model)
+    excerpt = text[-BPE_EXCERPT:]
+    ids = fast(excerpt, add_special_tokens=False)["input_ids"]
+    rows = (len(ids) - 1) // BPE_SEQ
+    x = torch.tensor([ids[r * BPE_SEQ:r * BPE_SEQ + BPE_SEQ + 1] for r in range(rows)])
+    prompt = fast(BPE_PROMPT, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        # Every row has BPE_SEQ predictions: the mean of the rows' means is the mean of all.
+        loss = float(model(x, labels=x).loss.item())
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=BPE_NEW_TOKENS,
+                                do_sample=False, eos_token_id=1, pad_token_id=1)[0].tolist()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    fast.save_pretrained(out)
+    (out / "text.txt").write_text(excerpt, encoding="utf-8")
+    versions = _versions(torch, transformers) | {"tokenizers": tokenizers.__version__}
+    expected = {"seq": BPE_SEQ, "rows": rows, "loss": loss, "text_ids": ids,
+                "prompt": BPE_PROMPT, "prompt_ids": prompt, "greedy_ids": greedy,
+                "greedy_text": fast.decode(greedy, skip_special_tokens=True)}
+    (out / "expected.json").write_text(json.dumps(expected) + "\n", encoding="utf-8")
+    readme = [
+        f"# {out.name}",
+        "",
+        "A small random transformers `LlamaForCausalLM` that speaks its own tokenizer, for the",
+        "tokenizer tests. Made by `python scripts/make_fixtures.py --family llama-bpe --corpus",
+        f"tinyshakespeare.txt --out {out.as_posix()}` with",
+        ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        f"- tokenizer.json, tokenizer_config.json: a byte-level BPE of {BPE_VOCAB} tokens",
+        f"  trained by `tokenizers` on tinyshakespeare (its paragraphs); bos {BPE_SPECIALS[0]} (id 0), eos",
+        f"  {BPE_SPECIALS[1]} (id 1)",
+        f"- config.json, model.safetensors: `{json.dumps(BPE_LLAMA_CONFIG)}`",
+        f"  (eager attention, float32, seed {SEED}; every parameter re-drawn to be non-trivial)",
+        f"- text.txt: the corpus's last {BPE_EXCERPT} characters",
+        "- expected.json: `text_ids` (the tokenizer's ids of text.txt, no special tokens),",
+        f"  `loss`: transformers' mean next-token loss over its {rows} rows of {BPE_SEQ} + 1",
+        f"  tokens (row r: ids[r*{BPE_SEQ} : r*{BPE_SEQ} + {BPE_SEQ + 1}], blujax.evaluate's "
+        "rows);",
+        f"  `greedy_ids`: `generate(prompt_ids, max_new_tokens={BPE_NEW_TOKENS}, do_sample=False)`",
+        "  (prompt and continuation; it stops at eos), `greedy_text` their decoding",
+    ]
+    (out / "README.md").write_text("\n".join(readme) + "\n", encoding="utf-8")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e3:.0f} kB): loss {loss:.6f} over {rows} rows; greedy "
+          f"{fast.decode(greedy)!r}; {versions}")
 
 
 def make(out: Path, family: str = "gpt2") -> None:
@@ -84,22 +189,7 @@ def make(out: Path, family: str = "gpt2") -> None:
         config_dict = CONFIG
         config = transformers.GPT2Config(**config_dict, attn_implementation="eager")
         model = transformers.GPT2LMHeadModel(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # tied: one tensor
-                p.normal_(0.0, 0.2)
-            elif name.endswith("norm.weight"):  # Llama's and Qwen2's RMSNorm scales
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("wte.weight"):
-                p.normal_(0.0, 0.2)  # the tied head too: logits of a few units
-            elif name.endswith("wpe.weight"):
-                p.normal_(0.0, 0.1)
-            elif ".ln_" in name and name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):  # GPT-2's, Qwen2's q, k and v
-                p.normal_(0.0, 0.05)
-            else:
-                p.normal_(0.0, 0.08)
+    _randomize(torch, model)
     tokens = np.random.default_rng(SEED).integers(0, config_dict["vocab_size"], TOKENS_SHAPE)
     with torch.no_grad():
         t = torch.from_numpy(tokens)
@@ -161,8 +251,11 @@ def check_export(folder: Path, expected: Path, atol: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=("gpt2", "llama", "qwen2"), default="gpt2",
-                   help="the model family of the fixture (default: %(default)s)")
+    p.add_argument("--family", choices=("gpt2", "llama", "qwen2", "llama-bpe"), default="gpt2",
+                   help="the model family of the fixture; llama-bpe: a Llama with its own "
+                        "tokenizer, trained on --corpus (default: %(default)s)")
+    p.add_argument("--corpus", type=Path, metavar="FILE",
+                   help="with --family llama-bpe: the text its tokenizer is trained on")
     p.add_argument("--out", type=Path, default=None,
                    help="where to write the fixture (default: tests/fixtures/hf_FAMILY_tiny)")
     p.add_argument("--check-export", type=Path, metavar="DIR",
@@ -176,6 +269,11 @@ def main(argv=None) -> int:
         if not args.expected:
             p.error("--check-export needs --expected FILE.npz")
         return check_export(args.check_export, args.expected, args.atol)
+    if args.family == "llama-bpe":
+        if not args.corpus:
+            p.error("--family llama-bpe needs --corpus FILE (tinyshakespeare.txt)")
+        make_bpe(args.out or Path("tests/fixtures/hf_llama_bpe"), args.corpus)
+        return 0
     make(args.out or Path(f"tests/fixtures/hf_{args.family}_tiny"), args.family)
     return 0
 

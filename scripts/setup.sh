@@ -33,8 +33,8 @@ ver=$(.venv/bin/python -c 'import sys; print(f"{sys.version_info[0]}{sys.version
 pins=requirements/py$ver.txt
 [ -f "$pins" ] || { echo "Python $ver is not supported (use 3.12 or 3.11)" >&2; exit 1; }
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${pip[@]}" install -c "$pins" jax jaxlib numpy optax tiktoken tqdm matplotlib safetensors \
-  huggingface_hub pytest pytest-xdist nanobind scikit-build-core cmake ninja
+"${pip[@]}" install -c "$pins" jax jaxlib numpy optax tiktoken tokenizers tqdm matplotlib \
+  safetensors huggingface_hub pytest pytest-xdist nanobind scikit-build-core cmake ninja
 # Built against the pinned jaxlib already in .venv (the FFI ABI only runs forward). Of the build's
 # output only its own "blujax: ..." lines show (whether blujax._cuda is built, and why).
 log=.venv/blujax-build.log

@@ -64,3 +64,29 @@ def without_key_bias(params):
     blocks = {**params["blocks"], "attn": {**params["blocks"]["attn"],
                                            "b": b.at[:, 1].set(0.0)}}
     return {**params, "blocks": blocks}
+
+
+def make_bpe_tokenizer(folder, text: str, vocab_size: int = 300):
+    """A small Hugging Face tokenizer in folder (made if missing): a byte-level BPE of
+    vocab_size tokens trained on text, its special tokens <|begin_of_text|> (bos, ids begin
+    with it) and <|end_of_text|> (eos), as tokenizer.json and tokenizer_config.json."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[bos, eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                    "eos_token": eos}, indent=2) + "\n", encoding="utf-8")
+    return folder

@@ -22,14 +22,14 @@ LLMC_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 def cmd_export(args) -> int:
     out = Path(args.out or "out")
-    config, _, restored = latest_params(out)
+    config, _, restored, tokenizer = latest_params(out)
     params = jax.device_get(restored.tree["params"])
     try:
         if args.format == "hf":
             if args.dtype not in (None, "f32"):
                 raise UsageError("--dtype applies to --format llmc; the Hugging Face export "
                                  "is float32")
-            path = interop.export_hf(params, config, args.to)
+            path = interop.export_hf(params, config, args.to, tokenizer=tokenizer)
             what = f"a Hugging Face {model.family_of(config).TITLE} folder"
         else:
             dtype = LLMC_DTYPES[args.dtype or "f32"]

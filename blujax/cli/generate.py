@@ -18,9 +18,11 @@ from blujax import data, evaluate, hellaswag, interop, sample
 from blujax.cli import run
 from blujax.cli.settings import (TrainSettings, UsageError, check_counts, check_number,
                                  defaults, on_accelerator, training_config)
+from blujax.data import tokenizer as tokenizer_lib
+from blujax.data.sources import TEXT
+from blujax.data.tokenizer import Tokenizer
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
-from blujax.vocab import GPT2_VOCAB_SIZE
 
 
 @dataclasses.dataclass
@@ -32,8 +34,13 @@ class Model:
     name: str                  # "step 6 of runs/a", or the pretrained source
     ops: str                   # the run's, else ffi
     dtype: str                 # the run's, else this machine's default
+    tokenizer: Tokenizer | None = None      # the model's; None: it has none (token shards)
     settings: TrainSettings | None = None   # the run's; None for pretrained weights
     step: int | None = None
+
+    def text_tokenizer(self, what: str) -> Tokenizer:
+        """The tokenizer `what` (text, a prompt) reaches the model through."""
+        return text_tokenizer(self.tokenizer, self.config, f"{what}: the model {self.name}")
 
 
 def load_model(args) -> Model:
@@ -44,12 +51,12 @@ def load_model(args) -> Model:
             raise UsageError("--out and --init-from name two models: give one")
         pre = interop.load_pretrained(args.init_from)
         model = Model(pre.config, jax.device_put(pre.params), args.init_from, "ffi",
-                      defaults(on_accelerator())["dtype"])
+                      defaults(on_accelerator())["dtype"], pre.tokenizer)
     else:
         out = Path(args.out or "out")
-        config, s, restored = run.latest_params(out)
+        config, s, restored, tokenizer = run.latest_params(out)
         model = Model(config, restored.tree["params"], f"step {restored.step} of {out}", s.ops,
-                      s.dtype, s, restored.step)
+                      s.dtype, tokenizer, s, restored.step)
     model.ops = args.ops or model.ops
     model.dtype = args.dtype or model.dtype
     return model
@@ -73,7 +80,10 @@ def cmd_eval(args) -> int:
         if seq > model.config.block_size:
             raise UsageError(f"--seq {seq} is longer than the model's block_size "
                              f"({model.config.block_size})")
-        tokens, description = data.eval_tokens(args.data, progress=not args.no_progress)
+        tokens, description = data.eval_tokens(
+            args.data, tokenizer=data_tokenizer(args.data, model.tokenizer, model.config,
+                                                f"--data {args.data}: the model {model.name}"),
+            progress=not args.no_progress)
         k = args.eval_batches if args.eval_batches is not None else (s.eval_batches if s else 0)
         try:
             loss = evaluate.evaluate_loss(model.params, model.config, tokens, batch=batch,
@@ -85,7 +95,8 @@ def cmd_eval(args) -> int:
     elif s is not None:  # the run's own validation batches: what its val_loss measured
         result.update(_run_val_loss(model, ops, args), data=s.data)
     if args.hellaswag is not None:
-        items = hellaswag_items(model.config, args.hellaswag, progress=not args.no_progress)
+        items = hellaswag_items(model.text_tokenizer("HellaSwag"), args.hellaswag,
+                                progress=not args.no_progress)
         result.update(hellaswag.score(model.params, model.config, items, ops=ops,
                                       dtype=DTYPES[model.dtype]))
     parts = [f"{model.name}:"]
@@ -109,7 +120,8 @@ def _run_val_loss(model: Model, ops, args) -> dict:
     unless --batch / --seq / --eval-batches say otherwise)."""
     s = dataclasses.replace(model.settings, dtype=model.dtype)
     s.batch, s.seq = args.batch or s.batch, args.seq or s.seq
-    source = data.resolve(s.data, progress=not args.no_progress)
+    source = data.resolve(s.data, progress=not args.no_progress, tokenizer=data_tokenizer(
+        s.data, model.tokenizer, model.config, f"the run's data: the model {model.name}"))
     if not source.val:
         raise UsageError(f"{source.description} has no validation split (shards named "
                          f"*_val_*.bin): nothing to evaluate on")
@@ -125,18 +137,28 @@ def _run_val_loss(model: Model, ops, args) -> dict:
             "seq": s.seq, "tokens": sum(int(x.size) for x, _ in batches)}
 
 
-def hellaswag_items(config, path: str, *, progress: bool) -> list:
-    """HellaSwag's items in `path` ("": the official validation set, downloaded once)."""
-    require_gpt2_vocab(config, "HellaSwag")
-    return hellaswag.load_items(path or hellaswag.default_path(progress=progress))
+def data_tokenizer(spec, tokenizer: Tokenizer | None, config, where: str) -> Tokenizer | None:
+    """The tokenizer the data `spec` names must be made with: text (and the default corpus,
+    None) is tokenized with the model's, or GPT-2's where it has none (tokenizer_lib.for_text);
+    token shards are checked against the model's tokenizer, if it has one."""
+    if spec is None or data.locate(spec)[0] == TEXT:
+        return text_tokenizer(tokenizer, config, where)
+    return tokenizer
 
 
-def require_gpt2_vocab(config, what: str):
-    """Text reaches a model through GPT-2's encoding: refused for another vocabulary."""
-    if config.vocab_size != GPT2_VOCAB_SIZE:
-        raise UsageError(f"{what} needs GPT-2's encoding, and the model's vocabulary has "
-                         f"{config.vocab_size} tokens, not {GPT2_VOCAB_SIZE}: give it token "
-                         f"shards made for it instead of text")
+def text_tokenizer(tokenizer: Tokenizer | None, config, where: str) -> Tokenizer:
+    """tokenizer_lib.for_text, its refusal a UsageError."""
+    try:
+        return tokenizer_lib.for_text(tokenizer, config.vocab_size, where)
+    except data.DataError as e:
+        raise UsageError(str(e)) from None
+
+
+def hellaswag_items(tokenizer: Tokenizer, path: str, *, progress: bool) -> list:
+    """HellaSwag's items in `path` ("": the official validation set, downloaded once),
+    tokenized with the model's tokenizer."""
+    return hellaswag.load_items(path or hellaswag.default_path(progress=progress),
+                                tokenizer=tokenizer)
 
 
 def cmd_sample(args) -> int:
@@ -145,11 +167,11 @@ def cmd_sample(args) -> int:
     check_number("--temperature", args.temperature, low=0)
     model = load_model(args)
     config = model.config
-    require_gpt2_vocab(config, "sampling from a text prompt")
+    tokenizer = model.text_tokenizer("--prompt")
     if not 0 <= args.top_k <= config.vocab_size:
         raise UsageError(f"--top-k must lie in [0, {config.vocab_size}], got {args.top_k}")
     top_k = args.top_k or None
-    prompt = encode(args.prompt)
+    prompt = encode(tokenizer, args.prompt)
     if not prompt:
         raise UsageError("--prompt is empty: give at least one token of text")
     if len(prompt) + args.max_new_tokens > config.block_size:
@@ -157,8 +179,8 @@ def cmd_sample(args) -> int:
                          f"{args.max_new_tokens} exceed the model's block_size "
                          f"({config.block_size})")
     seed = 0 if args.seed is None else args.seed
-    texts = generate_text(model.params, config, model_ops.get(model.ops), model.dtype,
-                          args.prompt, key=jax.random.key(seed),
+    texts = generate_text(model.params, config, tokenizer, model_ops.get(model.ops),
+                          model.dtype, args.prompt, key=jax.random.key(seed),
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=top_k, num_samples=args.num_samples)
     print(f"# {model.name}, seed {seed}, temperature {args.temperature}, "
@@ -168,21 +190,30 @@ def cmd_sample(args) -> int:
     return 0
 
 
-def encode(text: str) -> list[int]:
-    """GPT-2's tokens of `text`; a tokenizer that cannot load is a UsageError."""
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The tokens of `text`; a tokenizer that cannot load is a UsageError."""
     try:
-        return data.get_encoding("gpt2").encode_ordinary(text)
-    except RuntimeError as e:
+        return tokenizer.encode(text)
+    except data.DataError as e:
         raise UsageError(str(e)) from None
 
 
-def generate_text(params, model_config, ops, dtype: str, prompt: str, *, key, max_new_tokens,
-                  temperature, top_k, num_samples) -> list[str]:
-    """num_samples continuations of `prompt`, decoded (tokens past GPT-2's vocabulary, which
-    the padded embedding allows, are dropped)."""
-    enc = data.get_encoding("gpt2")
-    ids = enc.encode_ordinary(prompt)
+def generate_text(params, model_config, tokenizer: Tokenizer, ops, dtype: str, prompt: str, *,
+                  key, max_new_tokens, temperature, top_k, num_samples) -> list[str]:
+    """num_samples continuations of `prompt`, decoded: each ends before the first of the
+    tokenizer's stop tokens it generates (tokens past the tokenizer's vocabulary, which the
+    padded embedding allows, are dropped)."""
+    ids = encode(tokenizer, prompt)
     tokens = sample.generate(params, jnp.asarray([ids] * num_samples, jnp.int32),
                              config=model_config, key=key, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, ops=ops, dtype=DTYPES[dtype])
-    return [enc.decode([t for t in row if t < enc.n_vocab]) for row in np.asarray(tokens)]
+    return [tokenizer.decode(until_stop(row, len(ids), tokenizer.stop_tokens))
+            for row in np.asarray(tokens).tolist()]
+
+
+def until_stop(row: list[int], start: int, stop_tokens) -> list[int]:
+    """row up to (not including) the first stop token at or after `start`."""
+    for i in range(start, len(row)):
+        if row[i] in stop_tokens:
+            return row[:i]
+    return row

@@ -1,7 +1,9 @@
 """A run on disk: its folder (--out), config.json, and its checkpoints in ckpt/.
 
-config.json records the run's settings, model, training config, data and device; `eval`,
-`sample` and `train --resume` read it back. A checkpoint holds the parameters, optimizer
+config.json records the run's settings, model, tokenizer, training config, data and device;
+`eval`, `sample`, `export` and `train --resume` read it back. A model that speaks its own
+tokenizer (one imported with tokenizer.json) has its files copied into tokenizer/, so that
+the run travels. A checkpoint holds the parameters, optimizer
 state, step and sampling key (blujax.loop.checkpoint_tree), with the data loader's position
 beside them; blujax.startup reads it.
 """
@@ -20,10 +22,13 @@ from blujax import model, startup
 from blujax.checkpoint import Checkpointer
 from blujax.cli.report import warn
 from blujax.cli.settings import TrainSettings, UsageError, run_model_config
-from blujax.data import DataLoader, DataSource
+from blujax.data import DataError, DataLoader, DataSource
+from blujax.data import tokenizer as tokenizer_lib
 from blujax.train import TrainConfig
+from blujax.vocab import GPT2_VOCAB_SIZE
 
 RUN_FILES = ("config.json", "metrics.jsonl", "loss.png", "samples.txt")
+TOKENIZER_DIR = "tokenizer"
 
 
 def config_path(out: Path) -> Path:
@@ -47,8 +52,8 @@ def load_run(out: Path) -> dict:
 
 
 def latest_params(out: Path):
-    """(model config, settings, the newest checkpoint's parameters that verify) of the run in
-    `out` (restored by blujax.startup.latest_params)."""
+    """(model config, settings, the newest checkpoint's parameters that verify, tokenizer) of
+    the run in `out` (restored by blujax.startup.latest_params; the tokenizer run_tokenizer's)."""
     saved = load_run(out)
     config = run_model_config(saved)
     try:
@@ -56,18 +61,21 @@ def latest_params(out: Path):
     except FileNotFoundError:
         raise UsageError(f"{out} holds no checkpoint (nothing in {checkpoint_dir(out)})") \
             from None
-    return config, TrainSettings(**saved["settings"]), restored
+    return (config, TrainSettings(**saved["settings"]), restored,
+            run_tokenizer(out, saved, config))
 
 
 def describe_run(s: TrainSettings, model_config, train_config: TrainConfig, params,
                  source: DataSource, loader: DataLoader, n_processes: int = 1,
-                 init_from: dict | None = None) -> dict:
+                 init_from: dict | None = None, tokenizer=None) -> dict:
     """What config.json holds. init_from: where the initial weights came from
-    (blujax.interop.Pretrained.source), for a run started from pretrained weights."""
+    (blujax.interop.Pretrained.source), for a run started from pretrained weights. tokenizer:
+    the model's (None: it has none, and trains on token shards)."""
     device = jax.devices()[0]
     return {
         "settings": dataclasses.asdict(s),
         "init_from": init_from,
+        "tokenizer": tokenizer and tokenizer.identity(),
         "model": dict(name=s.model, **model.config_to_dict(model_config),
                       params=sum(x.size for x in jax.tree.leaves(params))),
         "train": dataclasses.asdict(train_config),
@@ -78,6 +86,37 @@ def describe_run(s: TrainSettings, model_config, train_config: TrainConfig, para
                    "count": s.n_devices, "processes": n_processes},
         "jax": jax.__version__,
     }
+
+
+def save_tokenizer(out: Path, tokenizer):
+    """A Hugging Face tokenizer's files into the run's tokenizer/ (GPT-2's needs none)."""
+    folder = out / TOKENIZER_DIR
+    if tokenizer is not None and tokenizer.folder is not None \
+            and tokenizer.folder.resolve() != folder.resolve():
+        shutil.rmtree(folder, ignore_errors=True)
+        tokenizer.save(folder)
+
+
+def run_tokenizer(out: Path, saved: dict, model_config):
+    """The tokenizer the run in `out` speaks (None: none, token shards only): its tokenizer/
+    folder; else GPT-2's, for runs that record GPT-2's or (written before runs recorded one)
+    have a vocabulary that holds GPT-2's ids."""
+    folder = out / TOKENIZER_DIR
+    recorded = saved.get("tokenizer", "unrecorded")
+    try:
+        if folder.is_dir():
+            return tokenizer_lib.load_tokenizer(folder)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if recorded == "unrecorded":
+        return tokenizer_lib.gpt2() if model_config.vocab_size >= GPT2_VOCAB_SIZE else None
+    if recorded is None:
+        return None
+    if recorded.get("fingerprint") == tokenizer_lib.GPT2_FINGERPRINT:
+        return tokenizer_lib.gpt2()
+    raise UsageError(f"{out}: the run speaks {tokenizer_lib.describe(recorded)}, and its files "
+                     f"are missing from {folder}: copy them there from the model it was "
+                     f"imported from")
 
 
 def write_json(path: Path, obj):
@@ -91,6 +130,7 @@ def clear_run(out: Path):
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(checkpoint_dir(out), ignore_errors=True)
+    shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
 
 
 def has_steps_to_train(out: Path, args, s: TrainSettings, saved: dict | None,

@@ -19,15 +19,16 @@ from jax.sharding import PartitionSpec as P
 from blujax import data, hellaswag, interop, loop, metrics, model, processes, sharding, startup
 from blujax.checkpoint import Checkpointer
 from blujax.cli import report, run
-from blujax.cli.generate import encode, generate_text, hellaswag_items
+from blujax.cli.generate import (data_tokenizer, encode, generate_text, hellaswag_items,
+                                 text_tokenizer)
 from blujax.cli.lock import RunLock
 from blujax.cli.settings import (SAMPLE_PROMPT, USER_ERRORS, TrainSettings, UsageError,
                                  check_process_flags, check_settings, model_preset,
                                  resolve_train_settings, run_model_config, training_config)
+from blujax.data import tokenizer as tokenizer_lib
 from blujax.model import ops as model_ops
 from blujax.train import (batch_sharding, gather, local_copy, make_eval_step, make_train_step,
                           peak_flops)
-from blujax.vocab import GPT2_VOCAB_SIZE
 
 EXIT_INTERRUPTED = 130
 
@@ -42,6 +43,8 @@ class _Run:
     model_config: Any
     pretrained: Any             # the interop.Pretrained fine-tuned, or None
     stop_after: int
+    tokenizer: Any = None       # the model's (blujax.data.Tokenizer); None: it has none
+    data_tokenizer: Any = None  # what --data is tokenized with or checked against
     source: data.DataSource | None = None
     loader: data.DataLoader | None = None
     val: list = dataclasses.field(default_factory=list)
@@ -92,20 +95,25 @@ def _settle(args, procs: processes.Processes, held: contextlib.ExitStack) -> _Ru
         pretrained = None
         if saved is not None:
             model_config = run_model_config(saved)
+            tokenizer = run.run_tokenizer(out, saved, model_config)
         elif s.init_from is not None:  # fine-tuning: the model is the weights'
             pretrained = interop.load_pretrained(s.init_from)
-            model_config = pretrained.config
+            model_config, tokenizer = pretrained.config, pretrained.tokenizer
             s.model = pretrained.source.get("name") or Path(s.init_from).name
         else:
-            model_config = model_preset(s.model)
+            model_config, tokenizer = model_preset(s.model), tokenizer_lib.gpt2()
         check_settings(s, model_config)
         stop_after = s.steps if args.stop_after is None else args.stop_after
         if not 1 <= stop_after <= s.steps:
             raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
-        r = _Run(out, s, saved, model_config, pretrained, stop_after)
+        r = _Run(out, s, saved, model_config, pretrained, stop_after, tokenizer)
+        r.data_tokenizer = data_tokenizer(s.data, tokenizer, model_config,
+                                          f"--data {s.data or '(the default corpus)'}: the "
+                                          f"model {s.model}")
         todo = run.has_steps_to_train(out, args, s, saved, stop_after, procs.lead)
         if todo and procs.lead:  # first and alone: it may tokenize --data into a cache
-            r.source = data.resolve(s.data, progress=_progress(args, procs))
+            r.source = data.resolve(s.data, tokenizer=r.data_tokenizer,
+                                    progress=_progress(args, procs))
     procs.same(todo, "whether there is training to do in --out (it must be one folder that "
                      "every process sees)")
     return r if todo else None
@@ -116,7 +124,7 @@ def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitS
     items, the mesh and (the lead's) checkpointer."""
     s, vocab = r.s, r.model_config.vocab_size
     if r.source is None:  # the other processes, from the lead's cache
-        r.source = data.resolve(s.data)
+        r.source = data.resolve(s.data, tokenizer=r.data_tokenizer)
     r.loader = held.enter_context(_open_loader(s, r.source, r.saved, vocab))
     # Every shard's tokens, before step 1: a bad token hours into a run would stop it where
     # nothing can be done about it.
@@ -135,7 +143,9 @@ def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitS
         where = None if r.mesh is None else NamedSharding(r.mesh, P(sharding.DATA))
         r.val = [tuple(procs.global_array(a, where) for a in b) for b in val]
     if s.hellaswag is not None and s.eval_every:
-        r.items = hellaswag_items(r.model_config, s.hellaswag, progress=_progress(args, procs))
+        r.items = hellaswag_items(text_tokenizer(r.tokenizer, r.model_config,
+                                                 f"HellaSwag: the model {s.model}"), s.hellaswag,
+                                  progress=_progress(args, procs))
     # Process 0 alone writes checkpoints (the others only take part in gathering them), and
     # finds out now whether it can, not at the first save.
     if procs.lead:
@@ -186,13 +196,15 @@ def _write_config(r: _Run, start: startup.Start, records: list[dict], procs: pro
         return
     init_from = r.pretrained.source if r.pretrained else r.saved and r.saved.get("init_from")
     config = run.describe_run(s, r.model_config, training_config(s), start.state.params,
-                              r.source, r.loader, procs.count, init_from=init_from)
+                              r.source, r.loader, procs.count, init_from=init_from,
+                              tokenizer=r.tokenizer)
     if resumed:
         config["extensions"] = r.saved.get("extensions", []) + ([extension] if extension else [])
         report.note_mesh_change(r.saved["settings"], s)
         if extension:
             report.note_extension(extension, s)
     try:
+        run.save_tokenizer(r.out, r.tokenizer)
         run.write_json(run.config_path(r.out), config)
         metrics.write_metrics(r.out / "metrics.jsonl", records)
     except OSError as e:
@@ -254,15 +266,17 @@ def _finish(r: _Run, state, stop: loop.Stop, sample_key, records: list[dict],
         print(report.summary(records, last, r.out), flush=True)
     if not s.sample_tokens:
         return 0
-    if r.model_config.vocab_size != GPT2_VOCAB_SIZE:
+    try:
+        tokenizer = tokenizer_lib.for_text(r.tokenizer, r.model_config.vocab_size, "the model")
+    except data.DataError as e:
         if procs.lead:
-            report.warn(f"note: no samples: the model's vocabulary ({r.model_config.vocab_size}"
-                        f" tokens) is not GPT-2's, whose encoding the prompt is in")
+            report.warn(f"note: no samples: {e}")
         return 0
     params = local_copy(state.params, r.mesh)  # a collective: every process gathers them
     if procs.lead:
-        n = min(s.sample_tokens, r.model_config.block_size - len(encode(SAMPLE_PROMPT)))
-        texts = generate_text(params, r.model_config, model_ops.get(s.ops), s.dtype,
+        n = min(s.sample_tokens,
+                r.model_config.block_size - len(encode(tokenizer, SAMPLE_PROMPT)))
+        texts = generate_text(params, r.model_config, tokenizer, model_ops.get(s.ops), s.dtype,
                               SAMPLE_PROMPT, key=sample_key, max_new_tokens=n,
                               temperature=1.0, top_k=40, num_samples=2)
         text = "".join(f"--- sample {i + 1} ---\n{t}\n" for i, t in enumerate(texts))

@@ -7,8 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from blujax.data.errors import DataError, ShardError
-from blujax.data.shards import GPT2_VOCAB_SIZE, Shard
+from blujax.data.errors import DataError
+from blujax.data.provenance import SIDECAR, recorded_tokenizer
+from blujax.data.shards import Shard, format_name
+from blujax.data.tokenizer import GPT2, describe
 from blujax.data.tokenizing import DEFAULT_SHARD_TOKENS, prepare
 
 
@@ -33,8 +35,10 @@ def main(argv=None) -> int:
     p = commands.add_parser(
         "prepare", help="tokenize text / JSON-lines files into shards",
         description="Tokenizes text files (UTF-8; each one document) and JSON-lines files (one "
-                    "document per line) with GPT-2's tokenizer into llm.c shards "
-                    "NAME_val_000000.bin, NAME_train_000001.bin, ... The validation split is "
+                    "document per line) with a tokenizer (GPT-2's, or a model folder's) into "
+                    "llm.c shards NAME_val_000000.bin, NAME_train_000001.bin, ... (uint16 "
+                    "tokens, or uint32 for a vocabulary beyond 65,536), and records the "
+                    f"tokenizer in {SIDECAR} beside them. The validation split is "
                     "the first tokens: --val-tokens of them, by default one shard's worth but "
                     "at most a tenth of the corpus (a small corpus keeps nine tenths for "
                     "training). A re-run keeps the complete shards and goes on after them.")
@@ -53,10 +57,17 @@ def main(argv=None) -> int:
                    help="each blank-line-separated paragraph of a text file is a document "
                         "(llm.c's tinyshakespeare convention)")
     p.add_argument("--text-field", default="text", help="JSON field with the text")
+    p.add_argument("--tokenizer", default=GPT2,
+                   help="gpt2 (tiktoken's GPT-2 encoding, the default), or a model folder "
+                        "with its tokenizer.json (a Hugging Face model's, or a run folder's "
+                        "tokenizer/): the tokenizer of the model that will train on the shards")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     c = commands.add_parser("check", help="validate shards: header, size, token range")
     c.add_argument("shards", nargs="+", type=Path)
-    c.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
+    c.add_argument("--vocab-size", type=int, default=None,
+                   help=f"token ids must be below it (default: the vocabulary of the tokenizer "
+                        f"that made the shards: their folder's {SIDECAR}, else GPT-2's for "
+                        f"uint16 shards)")
     args = parser.parse_args(argv)
     try:
         return _run_command(args)
@@ -70,7 +81,8 @@ def _run_command(args) -> int:
         result = prepare(args.inputs, args.out, name=args.name, shard_tokens=args.shard_tokens,
                          val_tokens=args.val_tokens, workers=args.workers,
                          doc_separator="\n\n" if args.paragraph_docs else None,
-                         text_field=args.text_field, progress=not args.no_progress)
+                         text_field=args.text_field, tokenizer=args.tokenizer,
+                         progress=not args.no_progress)
         print(f"{len(result.files)} shards in {args.out} ({len(result.written)} written, "
               f"{len(result.skipped)} already complete); tokens: "
               + ", ".join(f"{k} {v:,}" for k, v in sorted(result.tokens.items())))
@@ -78,9 +90,13 @@ def _run_command(args) -> int:
     failed = 0
     for path in args.shards:
         try:
-            with Shard(path, args.vocab_size) as shard:
-                print(f"{path}: ok, {shard.num_tokens:,} tokens")
-        except ShardError as e:
+            recorded = recorded_tokenizer([path])
+            vocab = args.vocab_size or (recorded or {}).get("vocab_size")
+            with Shard(path, vocab, check_tokens=vocab is not None) as shard:
+                unchecked = "" if vocab else " (ids unchecked: pass --vocab-size)"
+                print(f"{path}: ok, {shard.num_tokens:,} tokens{unchecked}; "
+                      f"{format_name(shard.dtype)}; made by {describe(recorded)}")
+        except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0

@@ -1,9 +1,11 @@
 """Text tokenized once into shards and reused, and the default corpus.
 
-A text file a run trains on is tokenized with GPT-2's encoding into shards in a folder beside
-it (`FILE.tokens/`), or in the user cache where that folder is not writable; a later run finds
-them there. The default corpus is tinyshakespeare, from the user cache, else the file
-BLUJAX_CORPUS names, else downloaded, cut into shards exactly as llm.c cuts it.
+A text file a run trains on is tokenized with the model's tokenizer into shards in a folder
+beside it (`FILE.tokens/` for GPT-2's, `FILE.<fingerprint[:8]>.tokens/` for another's, so that
+two models' caches of one text never clobber each other), or in the user cache where that
+folder is not writable; a later run finds them there. The default corpus is tinyshakespeare,
+from the user cache, else the file BLUJAX_CORPUS names, else downloaded, cut into shards
+exactly as llm.c cuts it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from blujax.data.errors import DataError, TextError
 from blujax.data.shards import in_split
+from blujax.data.tokenizer import GPT2, Tokenizer
 from blujax.data.tokenizing import prepare
 from blujax.fetch import download, user_cache_dir
 
@@ -53,20 +56,22 @@ def default_corpus(*, progress: bool) -> Path:
     return cached
 
 
-def default_corpus_shards(*, progress: bool) -> tuple[list[Path], list[Path]]:
-    """The default corpus's (train, val) shards, its paragraphs the documents as llm.c's are.
-    They go to the user cache even when BLUJAX_CORPUS names a file elsewhere: that may be a
-    shared, read-only data folder."""
+def default_corpus_shards(*, progress: bool,
+                          tokenizer: Tokenizer | None = None) -> tuple[list[Path], list[Path]]:
+    """The default corpus's (train, val) shards of `tokenizer` (None: GPT-2's), its paragraphs
+    the documents as llm.c's are. They go to the user cache even when BLUJAX_CORPUS names a
+    file elsewhere: that may be a shared, read-only data folder."""
+    cache = user_cache_dir() / f"{CORPUS_NAME}{_suffix(tokenizer)}.tokens"
     return tokenize_text(default_corpus(progress=progress), paragraph_docs=True,
-                         val_tokens=CORPUS_VAL_TOKENS, progress=progress,
-                         cache=user_cache_dir() / f"{CORPUS_NAME}.tokens")
+                         val_tokens=CORPUS_VAL_TOKENS, progress=progress, cache=cache,
+                         tokenizer=tokenizer)
 
 
 def tokenize_text(path: Path, *, paragraph_docs: bool = False, val_tokens: int | None = None,
-                  progress: bool = False,
-                  cache: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """A text file's (train, val) shards in `cache` (by default token_cache(path)): made with
-    GPT-2's encoding the first time, reused after.
+                  progress: bool = False, cache: Path | None = None,
+                  tokenizer: Tokenizer | None = None) -> tuple[list[Path], list[Path]]:
+    """A text file's (train, val) shards in `cache` (by default token_cache(path,
+    tokenizer)): made with `tokenizer` (None: GPT-2's encoding) the first time, reused after.
 
     Without val_tokens the first tenth or so of the tokens (estimated from the file size, at
     most 32768 as llm.c keeps of tinyshakespeare) is the validation split. Text that is not
@@ -79,14 +84,14 @@ def tokenize_text(path: Path, *, paragraph_docs: bool = False, val_tokens: int |
         raise TextError(f"{path}: the file is empty: there is no text in it")
     if val_tokens is None:
         val_tokens = max(1, min(CORPUS_VAL_TOKENS, path.stat().st_size // 32))
-    cache = token_cache(path) if cache is None else cache
+    cache = token_cache(path, tokenizer) if cache is None else cache
     small = path.stat().st_size < (64 << 20)  # worker processes only pay off on big files
     try:
         result = prepare([path], cache, name=path.name.split(".")[0] or "text",
                          val_tokens=val_tokens, workers=1 if small else None,
-                         doc_separator="\n\n" if paragraph_docs else None, progress=progress)
-    except RuntimeError as e:  # the tokenizer could not load; the message says what to do
-        raise DataError(str(e)) from None
+                         doc_separator="\n\n" if paragraph_docs else None,
+                         tokenizer=GPT2 if tokenizer is None else tokenizer,
+                         progress=progress)
     except DataError:
         _remove_if_empty(cache)  # prepare removed its shards: leave no empty folder either
         raise
@@ -98,18 +103,26 @@ def tokenize_text(path: Path, *, paragraph_docs: bool = False, val_tokens: int |
     return train, val
 
 
-def token_cache(path: Path) -> Path:
-    """Where a text file's shards go: beside it, else (not writable) in the user cache."""
-    beside = path.parent / f"{path.name}.tokens"
+def token_cache(path: Path, tokenizer: Tokenizer | None = None) -> Path:
+    """Where a text file's shards of `tokenizer` (None: GPT-2's) go: beside it, else (not
+    writable) in the user cache."""
+    suffix = _suffix(tokenizer)
+    beside = path.parent / f"{path.name}{suffix}.tokens"
     if _writable(beside):
         return beside
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    fallback = user_cache_dir() / "tokens" / f"{path.name}-{digest}"
+    fallback = user_cache_dir() / "tokens" / f"{path.name}-{digest}{suffix}"
     if not _writable(fallback):
         raise DataError(f"cannot write the tokenized copy of {path} beside it ({beside}) or "
                         f"in the user cache ({fallback}); set XDG_CACHE_HOME to a writable "
                         f"folder")
     return fallback
+
+
+def _suffix(tokenizer: Tokenizer | None) -> str:
+    """A cache folder's mark of its tokenizer: none for GPT-2's (the caches made before
+    tokenizers were chosen stay valid), else its fingerprint's start."""
+    return "" if tokenizer is None or tokenizer.is_gpt2 else f".{tokenizer.fingerprint[:8]}"
 
 
 def _remove_if_empty(folder: Path):

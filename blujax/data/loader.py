@@ -314,7 +314,7 @@ class _Producer:
                 np.copyto(slot.inputs.reshape(-1), shard.tokens[start:start + count])
                 np.copyto(slot.targets.reshape(-1), shard.tokens[start + 1:start + 1 + count])
                 # Large page-cache folios map up to 2 MiB around what was read.
-                touched += 4 * count + (2 << 20)
+                touched += 2 * shard.dtype.itemsize * count + (2 << 20)
                 if touched >= self.drop_bytes:
                     shard.drop_pages()
                     touched = 0
@@ -331,7 +331,8 @@ class _Producer:
 
 
 class DataLoader:
-    """Batches of (inputs, targets) from llm.c token shards, prefetched by a background thread.
+    """Batches of (inputs, targets) from llm.c token shards (uint16 or uint32, mixed as they
+    come), prefetched by a background thread.
 
     Each batch is one contiguous chunk of batch_size * seq_len + 1 tokens of a shard; chunks
     are visited in an order fixed by the seed (shards shuffled, then each shard's chunks), each

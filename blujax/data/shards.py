@@ -1,6 +1,11 @@
-"""llm.c's token shard format: the header constants, writing a shard, checking its header,
+"""llm.c's token shard formats: the header constants, writing a shard, checking its header,
 reading it (memory-mapped, tokens checked against the vocabulary), and finding shards by
-file, pattern or directory and split."""
+file, pattern or directory and split.
+
+Both formats are a header of 256 little-endian int32 (magic, version, token count, zeros) and
+then the tokens: magic 20240520, version 1, uint16 tokens (llm.c's GPT-2 shards), or magic
+20240801, version 7, uint32 tokens (llm.c's Llama 3 shards; "wide" here), for vocabularies
+beyond 65,536 tokens."""
 
 from __future__ import annotations
 
@@ -19,26 +24,42 @@ from blujax.vocab import GPT2_VOCAB_SIZE  # re-exported: blujax.data.GPT2_VOCAB_
 
 MAGIC = 20240520
 VERSION = 1
+TOKEN_DTYPE = np.dtype("<u2")
+WIDE_MAGIC = 20240801
+WIDE_VERSION = 7
+WIDE_TOKEN_DTYPE = np.dtype("<u4")
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-TOKEN_DTYPE = np.dtype("<u2")
+# magic -> (version, token dtype, the format in words)
+_FORMATS = {MAGIC: (VERSION, TOKEN_DTYPE, "uint16 tokens, llm.c's GPT-2 format"),
+            WIDE_MAGIC: (WIDE_VERSION, WIDE_TOKEN_DTYPE, "uint32 tokens, llm.c's Llama 3 "
+                                                         "format")}
 
 
-def write_shard(path, tokens) -> Path:
-    """Writes tokens (any integer array, each in [0, 65535]) as an llm.c shard, atomically."""
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The shard dtype that holds a vocabulary's ids: uint16 up to 65,536 tokens, else uint32."""
+    return TOKEN_DTYPE if vocab_size <= 1 << 16 else WIDE_TOKEN_DTYPE
+
+
+def write_shard(path, tokens, wide: bool = False) -> Path:
+    """Writes tokens (any integer array) as an llm.c shard, atomically: uint16 tokens (each in
+    [0, 65535]), or with wide uint32 ones (magic 20240801)."""
     path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: tokens must be a 1-D integer array, got {tokens.dtype}"
                          f"{list(tokens.shape)}")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
-        raise ValueError(f"{path}: tokens must lie in [0, 65535] to be stored as uint16")
+    magic = WIDE_MAGIC if wide else MAGIC
+    version, dtype, _ = _FORMATS[magic]
+    top = np.iinfo(dtype).max
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > top):
+        raise ValueError(f"{path}: tokens must lie in [0, {top}] to be stored as {dtype.name}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, tokens.size)
+    header[:3] = (magic, version, tokens.size)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -47,6 +68,12 @@ def write_shard(path, tokens) -> Path:
 
 def read_header(path) -> int:
     """Checks a shard's header against its file size; returns its token count."""
+    return read_format(path)[0]
+
+
+def read_format(path) -> tuple[int, np.dtype]:
+    """Checks a shard's header against its file size; returns its token count and its tokens'
+    dtype (TOKEN_DTYPE or WIDE_TOKEN_DTYPE)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -58,26 +85,34 @@ def read_header(path) -> int:
         raise ShardError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte llm.c "
                          f"header: truncated, or not a token shard")
     magic, version, count = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3))
-    if magic != MAGIC:
-        raise ShardError(f"{path}: bad magic number {magic} (expected {MAGIC}): not an llm.c "
-                         f"GPT-2 token shard, or its header is corrupt")
-    if version != VERSION:
-        raise ShardError(f"{path}: unsupported shard version {version} (expected {VERSION}: "
-                         f"uint16 GPT-2 tokens)")
+    if magic not in _FORMATS:
+        raise ShardError(f"{path}: bad magic number {magic} (expected {MAGIC} for uint16 "
+                         f"tokens or {WIDE_MAGIC} for uint32 tokens): not an llm.c token "
+                         f"shard, or its header is corrupt")
+    expected_version, dtype, words = _FORMATS[magic]
+    if version != expected_version:
+        raise ShardError(f"{path}: unsupported shard version {version} (magic {magic} is "
+                         f"version {expected_version}: {words})")
     if count < 0:
         raise ShardError(f"{path}: corrupt header: negative token count {count}")
-    expected = HEADER_BYTES + count * TOKEN_DTYPE.itemsize
+    expected = HEADER_BYTES + count * dtype.itemsize
     if size < expected:
         raise ShardError(f"{path}: truncated: the header says {count} tokens ({expected} "
                          f"bytes) but the file has {size} bytes")
     if size > expected:
         raise ShardError(f"{path}: {size - expected} bytes after the {count} tokens the "
                          f"header announces: corrupt header or trailing data")
-    return count
+    return count, dtype
+
+
+def format_name(dtype) -> str:
+    """A shard format in words, by its tokens' dtype."""
+    return next(words for _, d, words in _FORMATS.values() if d == np.dtype(dtype))
 
 
 class Shard:
-    """A validated, memory-mapped shard: `tokens` is a read-only uint16 view of the file.
+    """A validated, memory-mapped shard: `tokens` is a read-only view of the file's tokens, of
+    `dtype` (uint16 or, in a wide shard, uint32).
 
     Pages of the mapping count in the process's resident memory once touched (large page-cache
     folios map 2 MiB at a time), so readers call drop_pages() after using a region: the data
@@ -86,7 +121,7 @@ class Shard:
 
     def __init__(self, path, vocab_size: int = GPT2_VOCAB_SIZE, check_tokens: bool = True):
         self.path = Path(path)
-        self.num_tokens = read_header(self.path)
+        self.num_tokens, self.dtype = read_format(self.path)
         try:
             self._file = open(self.path, "rb")
         except OSError as e:  # gone or unreadable since its header was read
@@ -97,11 +132,11 @@ class Shard:
             except (OSError, ValueError) as e:
                 self._file.close()
                 raise ShardError(f"{self.path}: cannot map shard: {e}") from e
-            self.tokens = np.frombuffer(self._mmap, dtype=TOKEN_DTYPE, count=self.num_tokens,
+            self.tokens = np.frombuffer(self._mmap, dtype=self.dtype, count=self.num_tokens,
                                         offset=HEADER_BYTES)
         else:
             self._mmap = None
-            self.tokens = np.zeros(0, TOKEN_DTYPE)
+            self.tokens = np.zeros(0, self.dtype)
         if check_tokens:
             try:
                 self.check_tokens(vocab_size)

@@ -1,16 +1,17 @@
 """What a data spec (the command line's --data) names: the shards a run trains and validates
 on, and the tokens an evaluation reads.
 
-    source = resolve("notes.txt")          # DataSource: .train and .val shards, .description
-    tokens, what = eval_tokens("data/")    # uint16 [N], as blujax.evaluate.EVAL_DEFINITION reads
+    source = resolve("notes.txt", tokenizer=tok)  # DataSource: .train, .val, .tokenizer
+    tokens, what = eval_tokens("data/", tokenizer=tok)  # [N], as evaluate.EVAL_DEFINITION reads
 
 A spec is a text file, a directory or glob of llm.c shards, or one shard file (locate); for
 training also None, the default corpus (blujax.data.corpus). Shards split into train and val
 by name (llm.c's NAME_train_000001.bin, NAME_val_000000.bin). A run trains on a text file's
 shards (tokenized once into a cache, corpus.tokenize_text), and an evaluation reads its whole
 text; one shard trains (with its _val_ twin beside it, if any, for validation) or is evaluated
-whole. Problems the user can fix raise a DataError (ShardError, TextError) naming the spec or
-the file.
+whole. Text is tokenized with the model's tokenizer (None: GPT-2's); shards made by another
+tokenizer than the model's (provenance.check_tokenizer) are refused. Problems the user can fix
+raise a DataError (ShardError, TextError) naming the spec or the file.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import numpy as np
 from blujax.data import corpus
 from blujax.data.errors import DataError, ShardError, TextError
 from blujax.data.loader import DataLoader
-from blujax.data.shards import TOKEN_DTYPE, Shard, in_split, read_header
-from blujax.data.text import decode_text, get_encoding
+from blujax.data.provenance import check_tokenizer, recorded_tokenizer
+from blujax.data.shards import TOKEN_DTYPE, Shard, in_split, read_header, token_dtype
+from blujax.data.text import decode_text
+from blujax.data.tokenizer import Tokenizer, gpt2
 from blujax.vocab import GPT2_VOCAB_SIZE
 
 TEXT, SHARDS, SHARD = "text", "shards", "shard"
@@ -42,6 +45,9 @@ class DataSource:
     description: str        # what the spec named, in words
     train: list[Path]
     val: list[Path]         # may be empty: no validation loss then
+    # The identity of the tokenizer that made them (provenance.recorded_tokenizer): a dict
+    # of name, fingerprint, vocab_size; None where unknown (llm.c's uint32 shards).
+    tokenizer: dict | None = None
 
 
 def locate(spec) -> tuple[str, list[Path]]:
@@ -69,16 +75,18 @@ def locate(spec) -> tuple[str, list[Path]]:
     return (SHARD if path.suffix == ".bin" else TEXT), [path]
 
 
-def resolve(spec, *, progress: bool = False) -> DataSource:
-    """The shards a run trains and validates on; spec None: the default corpus. Every shard's
-    header is read now, so that a bad file is reported before anything compiles."""
+def resolve(spec, *, tokenizer: Tokenizer | None = None, progress: bool = False) -> DataSource:
+    """The shards a run trains and validates on; spec None: the default corpus. Text is
+    tokenized with `tokenizer` (None: GPT-2's); with a tokenizer, shards another one made
+    raise a DataError. Every shard's header is read now, so that a bad file is reported
+    before anything compiles."""
     if spec is None:
-        train, val = corpus.default_corpus_shards(progress=progress)
-        return DataSource(f"the default corpus ({corpus.CORPUS_NAME})", train, val)
+        train, val = corpus.default_corpus_shards(progress=progress, tokenizer=tokenizer)
+        return _recorded(DataSource(f"the default corpus ({corpus.CORPUS_NAME})", train, val))
     kind, paths = locate(spec)
     if kind == TEXT:
-        train, val = corpus.tokenize_text(paths[0], progress=progress)
-        return DataSource(f"text file {paths[0]}", train, val)
+        train, val = corpus.tokenize_text(paths[0], progress=progress, tokenizer=tokenizer)
+        return _recorded(DataSource(f"text file {paths[0]}", train, val))
     if kind == SHARD:
         path = paths[0]
         twin = path.with_name(path.name.replace("train", "val"))
@@ -94,25 +102,31 @@ def resolve(spec, *, progress: bool = False) -> DataSource:
         source = DataSource(f"token shards {spec}", train, val)
     for p in source.train + source.val:
         read_header(p)  # ShardError names the file and the problem
+    source = _recorded(source)
+    if tokenizer is not None:
+        check_tokenizer(source, tokenizer, spec)
     return source
 
 
-def eval_tokens(spec, *, progress: bool = False) -> tuple[np.ndarray, str]:
-    """The evaluation tokens (uint16 [N]) of what `spec` names, and a description of them: a
-    text file's whole text (GPT-2's encode_ordinary, no <|endoftext|> added), the validation
-    split of a directory or glob of shards, all tokens of one shard."""
+def eval_tokens(spec, *, tokenizer: Tokenizer | None = None,
+                progress: bool = False) -> tuple[np.ndarray, str]:
+    """The evaluation tokens [N] of what `spec` names, and a description of them: a text
+    file's whole text (the tokenizer's encode, None: GPT-2's; no document token added), the
+    validation split of a directory or glob of shards, all tokens of one shard. uint16, or
+    uint32 for a vocabulary beyond 65,536 tokens (or from uint32 shards). With a tokenizer,
+    shards another one made raise a DataError."""
     kind, paths = locate(spec)
     if kind == TEXT:
-        return _text_tokens(paths[0], progress), f"text file {paths[0]}"
+        return _text_tokens(paths[0], progress, tokenizer), f"text file {paths[0]}"
     if kind == SHARD:
-        tokens = _read_shards(paths, progress)
+        tokens = _read_shards(paths, progress, tokenizer, spec)
         return tokens, f"token shard {paths[0]} (all {tokens.size:,} tokens)"
     _, val = _split(paths)
     if not val:
         raise DataError(f"{spec}: no validation shards (none of the {len(paths)} .bin files "
                         f"has 'val' in its name, as in NAME_val_000000.bin); pass one .bin "
                         f"shard to evaluate all of its tokens")
-    tokens = _read_shards(val, progress)
+    tokens = _read_shards(val, progress, tokenizer, spec)
     what = val[0].name if len(val) == 1 else f"{len(val)} shards {val[0].name} ..."
     return tokens, f"the validation split of {spec} ({what}, {tokens.size:,} tokens)"
 
@@ -139,6 +153,10 @@ def val_batches(paths: list[Path], *, batch: int, seq: int, max_batches: int | N
                 for _ in range(n if max_batches is None else min(n, max_batches))]
 
 
+def _recorded(source: DataSource) -> DataSource:
+    return dataclasses.replace(source, tokenizer=recorded_tokenizer(source.train + source.val))
+
+
 def _split(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     return [p for p in paths if in_split(p, "train")], [p for p in paths if in_split(p, "val")]
 
@@ -163,13 +181,23 @@ def _check_prepared(folder: Path, paths: list[Path], spec: str):
                             f"run it again to finish them")
 
 
-def _read_shards(paths: list[Path], progress: bool) -> np.ndarray:
-    """The shards' tokens, concatenated in order, checked against GPT-2's vocabulary."""
+def _read_shards(paths: list[Path], progress: bool, tokenizer: Tokenizer | None,
+                 spec) -> np.ndarray:
+    """The shards' tokens, concatenated in order, checked against the vocabulary of the
+    tokenizer (which must be the one that made them), else of the one recorded; shards of an
+    unknown tokenizer are checked by the evaluation, against the model's."""
+    for p in paths:
+        read_header(p)  # ShardError names the file and the problem
+    if tokenizer is not None:
+        check_tokenizer(paths, tokenizer, spec)
+        vocab = tokenizer.vocab_size
+    else:
+        vocab = (recorded_tokenizer(paths) or {}).get("vocab_size")
     from tqdm import tqdm
     parts = []
     for p in tqdm(paths, desc="reading shards", unit="shard", file=sys.stderr,
                   disable=not progress or len(paths) < 2):
-        with Shard(p) as shard:  # ShardError names the file and the problem
+        with Shard(p, vocab, check_tokens=vocab is not None) as shard:
             parts.append(np.array(shard.tokens))  # a copy: the mapping closes here
     tokens = np.concatenate(parts) if parts else np.zeros(0, TOKEN_DTYPE)
     if not tokens.size:
@@ -178,7 +206,7 @@ def _read_shards(paths: list[Path], progress: bool) -> np.ndarray:
     return tokens
 
 
-def _text_tokens(path: Path, progress: bool) -> np.ndarray:
+def _text_tokens(path: Path, progress: bool, tokenizer: Tokenizer | None) -> np.ndarray:
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -187,11 +215,8 @@ def _text_tokens(path: Path, progress: bool) -> np.ndarray:
     del raw
     if progress:
         print(f"tokenizing {path} ({len(text):,} characters)", file=sys.stderr)
-    try:
-        encoding = get_encoding("gpt2")
-    except RuntimeError as e:  # the message says what to do
-        raise DataError(str(e)) from None
-    tokens = np.asarray(encoding.encode_ordinary(text), TOKEN_DTYPE)
+    tok = gpt2() if tokenizer is None else tokenizer  # gpt2(): a DataError offline
+    tokens = np.asarray(tok.encode(text), token_dtype(tok.vocab_size))
     if not tokens.size:
         raise TextError(f"{path}: the file is empty: there is no text in it")
     return tokens

@@ -16,9 +16,11 @@ from typing import Sequence
 
 import numpy as np
 
+from blujax.data import provenance
 from blujax.data.errors import DataError, ShardError, TextError
-from blujax.data.shards import TOKEN_DTYPE, Shard, read_header, write_shard
-from blujax.data.text import _documents, get_encoding
+from blujax.data.shards import Shard, read_header, token_dtype, write_shard
+from blujax.data.text import _documents
+from blujax.data.tokenizer import GPT2, GPT2_FINGERPRINT, Tokenizer, describe, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 # Without --val-tokens the validation split is one shard, but at most this share of the corpus.
@@ -28,22 +30,25 @@ DEFAULT_VAL_FRACTION = 0.1
 _SHARD_NAME = re.compile(r"^(?P<name>.+)_(?P<split>train|val)_(?P<index>\d{6})\.bin$")
 
 
-_WORKER_ENCODING = None  # a worker process's encoding, loaded once by _init_worker
+_WORKER_TOKENIZER = None  # a worker process's tokenizer, loaded once by _init_worker
 
 
-def _init_worker(name):
-    global _WORKER_ENCODING
-    _WORKER_ENCODING = get_encoding(name)
+def _init_worker(tokenizer):
+    """tokenizer: a Tokenizer (in this process), or its spec (in a worker process)."""
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = (tokenizer if isinstance(tokenizer, Tokenizer)
+                         else load_tokenizer(tokenizer))
 
 
 def _encode_document(item):
-    """[end-of-text] + the document's tokens, as llm.c's fineweb.py writes them. Special-token
-    text inside a document is encoded as plain text, never as a control token."""
+    """[doc_token] + the document's tokens, as llm.c's fineweb.py writes them (GPT-2's
+    end-of-text, or a Hugging Face tokenizer's bos). Special-token text inside a document is
+    encoded as plain text, never as a control token."""
     text, nbytes = item
-    enc = _WORKER_ENCODING
-    ids = enc.encode_ordinary(text)
-    tokens = np.empty(len(ids) + 1, np.uint16)
-    tokens[0] = enc.eot_token
+    tok = _WORKER_TOKENIZER
+    ids = tok.encode(text)
+    tokens = np.empty(len(ids) + 1, token_dtype(tok.vocab_size))
+    tokens[0] = tok.doc_token
     tokens[1:] = ids
     return tokens, nbytes
 
@@ -87,11 +92,17 @@ def _file_sha256(path: Path) -> str:
 def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, val_tokens: int | None = None,
             workers: int | None = None, doc_separator: str | None = None,
-            text_field: str = "text", encoding: str = "gpt2",
+            text_field: str = "text", tokenizer: Tokenizer | str = GPT2,
             progress: bool = True) -> PrepareResult:
     """Tokenizes documents into llm.c shards `{name}_{val|train}_{index:06d}.bin` in out_dir.
 
-    Every document is written as [end-of-text] + its tokens. The first val_tokens tokens form
+    `tokenizer` (a Tokenizer, or what load_tokenizer takes: "gpt2" or a model folder) makes
+    the tokens: uint16 shards for a vocabulary of up to 65,536 tokens, else uint32 ones (wide,
+    llm.c's Llama 3 format); the folder's sidecar (provenance.SIDECAR) records which. A folder
+    holds one tokenizer's shards: other shards there of another tokenizer raise a DataError.
+
+    Every document is written as [tokenizer.doc_token] + its tokens (GPT-2's end-of-text as
+    llm.c writes it, a Hugging Face tokenizer's bos). The first val_tokens tokens form
     the validation split, the rest the training split. Without val_tokens the validation
     split is one shard's worth (as llm.c's fineweb.py), but at most a tenth of the corpus
     (default_val_tokens), so that a small corpus still has tokens to train on. Tokenizing
@@ -121,18 +132,20 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = name or inputs[0].name.split(".")[0]
-    enc = get_encoding(encoding)  # fails early, here, when the tokenizer cannot load
-    if enc.n_vocab > 1 << 16:
-        raise ValueError(f"encoding {encoding!r} has {enc.n_vocab} tokens, more than uint16 "
-                         f"shards hold")
+    # Loaded here, so that it fails early when it cannot load.
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    _check_folder(out_dir, name, tok)
     workers = (os.cpu_count() or 1) if workers is None else max(1, int(workers))
+    if tok.folder is None and not tok.is_gpt2:
+        workers = 1  # one made in code: a worker process could not load it from its spec
 
     settings = {"inputs": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
                            for p in inputs],
                 "shard_tokens": shard_tokens, "val_tokens": val_tokens,
                 "doc_separator": doc_separator, "text_field": text_field,
-                "encoding": encoding}
+                "tokenizer": tok.fingerprint}
     progress_path = out_dir / f"{name}.prepare.json"
+    provenance.record_tokenizer(out_dir, tok)  # before the first shard it names
     for partial in out_dir.glob(f"{glob.escape(name)}_*.bin.tmp"):
         partial.unlink()  # a shard an interrupted run was writing
     done, layout = _completed_shards(progress_path, settings, out_dir)
@@ -150,15 +163,17 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
         try:
             _tokenize(inputs, out_dir, name, records, written, shard_tokens, layout,
                       lambda: _save_progress(progress_path, settings, layout, records),
-                      workers, doc_separator, text_field, encoding, progress)
+                      workers, doc_separator, text_field, tok, progress)
         except DataError:
             _remove_shards(out_dir, name, keep=[])
             progress_path.unlink(missing_ok=True)
+            if not any(out_dir.glob("*.bin")):
+                (out_dir / provenance.SIDECAR).unlink(missing_ok=True)
             raise
     if val_tokens is None:
         final = default_val_tokens(sum(r["tokens"] for r in records), shard_tokens)
         if final != layout:
-            records = _recut(out_dir, name, records, shard_tokens, final, enc.eot_token)
+            records = _recut(out_dir, name, records, shard_tokens, final, tok)
             written = [out_dir / r["file"] for r in records]
             _save_progress(progress_path, settings, final, records)
 
@@ -173,7 +188,7 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
 
 def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
               shard_tokens: int, val_tokens: int, save_progress, workers: int,
-              doc_separator, text_field: str, encoding: str, progress: bool):
+              doc_separator, text_field: str, tokenizer: Tokenizer, progress: bool):
     """prepare()'s streaming part: tokenizes the documents after the shards in `records` (an
     earlier run's) into shards of the layout of val_tokens, appending to records and written
     and saving the progress after each shard."""
@@ -187,14 +202,15 @@ def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress or None,
                desc=f"tokenizing into {out_dir}", file=sys.stderr)
     split, capacity = next(sizes)
-    buf = np.empty(capacity if capacity else 1, np.uint16)
+    dtype = token_dtype(tokenizer.vocab_size)
+    buf = np.empty(capacity if capacity else 1, dtype)
     fill = 0
 
     def flush(cursor, last):
         nonlocal split, capacity, buf, fill
         index = len(records)
         path = out_dir / f"{name}_{split}_{index:06d}.bin"
-        write_shard(path, buf[:fill])
+        write_shard(path, buf[:fill], wide=dtype.itemsize == 4)
         records.append({"file": path.name, "split": split, "tokens": int(fill),
                         "sha256": _file_sha256(path), "next_doc": cursor[0],
                         "next_offset": cursor[1], "last": last})
@@ -203,7 +219,7 @@ def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
         bar.set_postfix_str(f"{path.name} written")
         split, capacity = next(sizes)
         if buf.size < capacity:
-            buf = np.empty(capacity, np.uint16)
+            buf = np.empty(capacity, dtype)
         fill = 0
 
     docs = _documents(inputs, doc_separator, text_field)
@@ -220,10 +236,10 @@ def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
             context = multiprocessing.get_context(
                 "forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
                 else "spawn")  # never fork: the caller may run JAX's threads
-            pool = context.Pool(workers, initializer=_init_worker, initargs=(encoding,))
+            pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,))
             encoded = pool.imap(_encode_document, pending(), chunksize=8)
         else:
-            _init_worker(encoding)
+            _init_worker(tokenizer)
             encoded = map(_encode_document, pending())
         doc_index = next_doc
         for tokens, nbytes in encoded:
@@ -258,19 +274,21 @@ def _tokenize(inputs, out_dir: Path, name: str, records: list, written: list,
 
 
 def _recut(out_dir: Path, name: str, records: list, shard_tokens: int, val_tokens: int,
-           eot: int) -> list[dict]:
+           tokenizer: Tokenizer) -> list[dict]:
     """The complete data set of `records` written again as shards of the layout of
     val_tokens; returns their records. The old files are read through mappings, which keep
     them readable while new ones of the same names replace them. Every document begins with
-    end-of-text (which encode_ordinary never makes), so where each shard ends in the
-    documents, for a re-run to resume from, is found by counting those tokens."""
+    the tokenizer's doc_token (which its encode() never makes of text), so where each shard
+    ends in the documents, for a re-run to resume from, is found by counting those tokens."""
+    doc_token = tokenizer.doc_token
+    dtype = token_dtype(tokenizer.vocab_size)
     old = [Shard(out_dir / r["file"], check_tokens=False) for r in records]
     try:
         bounds = np.cumsum([0] + [s.num_tokens for s in old]).tolist()
         total = bounds[-1]
 
         def tokens(a: int, b: int) -> np.ndarray:  # [a, b) of the whole data set
-            out = np.empty(b - a, TOKEN_DTYPE)
+            out = np.empty(b - a, dtype)
             for shard, lo, hi in zip(old, bounds, bounds[1:]):
                 if lo < b and a < hi:
                     out[max(a, lo) - a:min(b, hi) - a] = \
@@ -282,16 +300,17 @@ def _recut(out_dir: Path, name: str, records: list, shard_tokens: int, val_token
         while pos < total:
             split, capacity = next(sizes)
             part = tokens(pos, min(total, pos + capacity))
-            starts = np.flatnonzero(part == eot)
+            starts = np.flatnonzero(part == doc_token)
             docs += len(starts)
             if len(starts):
                 doc_start = pos + int(starts[-1])
             pos += len(part)
-            if pos == total or tokens(pos, pos + 1)[0] == eot:
+            if pos == total or tokens(pos, pos + 1)[0] == doc_token:
                 cursor = (docs, 0)
             else:
                 cursor = (docs - 1, pos - doc_start)
-            path = write_shard(out_dir / f"{name}_{split}_{len(new):06d}.bin", part)
+            path = write_shard(out_dir / f"{name}_{split}_{len(new):06d}.bin", part,
+                               wide=dtype.itemsize == 4)
             new.append({"file": path.name, "split": split, "tokens": len(part),
                         "sha256": _file_sha256(path), "next_doc": cursor[0],
                         "next_offset": cursor[1], "last": pos == total})
@@ -318,8 +337,9 @@ def _completed_shards(progress_path: Path, settings: dict,
     except (OSError, ValueError):
         return [], None
     layout = saved.get("val_tokens")
-    if saved.get("settings") != settings or (settings["val_tokens"] is None
-                                             and not isinstance(layout, int)):
+    if saved.get("settings") != settings and _upgraded(saved.get("settings")) != settings:
+        return [], None
+    if settings["val_tokens"] is None and not isinstance(layout, int):
         return [], None
     good = []
     for record in saved.get("shards", []):
@@ -331,6 +351,35 @@ def _completed_shards(progress_path: Path, settings: dict,
             break
         good.append(record)
     return good, layout
+
+
+def _upgraded(settings) -> dict | None:
+    """A record's settings from before tokenizers were named by fingerprint: GPT-2's encoding
+    by name (so that shards made then are kept)."""
+    if not isinstance(settings, dict) or settings.get("encoding") != GPT2:
+        return None
+    return {**{k: v for k, v in settings.items() if k != "encoding"},
+            "tokenizer": GPT2_FINGERPRINT}
+
+
+def _check_folder(out_dir: Path, name: str, tokenizer: Tokenizer):
+    """One folder, one tokenizer: shards of other names in out_dir that another tokenizer
+    made (by its sidecar, or llm.c's uint16 GPT-2 shards) raise a DataError. Those of this
+    name are this run's to rewrite; unknown ones (llm.c's uint32 shards) are taken to be of
+    this tokenizer, as the sidecar will say."""
+    others = [p for p in sorted(out_dir.glob("*.bin"))
+              if not ((m := _SHARD_NAME.match(p.name)) and m["name"] == name)]
+    recorded = provenance.read_sidecar(out_dir)
+    if others and recorded is None:
+        try:
+            recorded = provenance.recorded_tokenizer(others)
+        except ShardError:
+            return  # not shards after all: not ours to judge
+    if others and recorded is not None and recorded["fingerprint"] != tokenizer.fingerprint:
+        raise DataError(f"{out_dir}: holds token shards made by {describe(recorded)} "
+                        f"({others[0].name} ...), and one folder holds one tokenizer's "
+                        f"shards: write those of {describe(tokenizer.identity())} to another "
+                        f"folder (--out)")
 
 
 def _save_progress(path: Path, settings: dict, val_tokens: int, records: list):
