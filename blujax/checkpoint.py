@@ -202,7 +202,8 @@ def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _fsync_dir(path: Path):
+def fsync_dir(path: Path):
+    """Makes a folder's entries (a rename into it) durable."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -354,9 +355,9 @@ class Checkpointer:
                 f.write(bytes(4096))
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(probe)
+            fsync_dir(probe)
             os.rename(probe, renamed)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             free = shutil.disk_usage(self.directory).free
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoints to {self.directory}: "
@@ -456,8 +457,8 @@ class Checkpointer:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp / "arrays")
-            _fsync_dir(tmp)
+            fsync_dir(tmp / "arrays")
+            fsync_dir(tmp)
             self._commit(tmp, info.path)
         except OSError as e:
             _remove(tmp)
@@ -488,7 +489,7 @@ class Checkpointer:
                 except OSError:
                     pass  # opening the directory for writing next time does it
             raise
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         if old is not None:
             _remove(old)
 

@@ -23,13 +23,16 @@ to_llmc, from_llmc); this module does the file work around them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,8 +41,9 @@ import ml_dtypes  # bfloat16 for numpy; imported, it also names it for safetenso
 import numpy as np
 
 from blujax import vocab
+from blujax.checkpoint import fsync_dir
 from blujax.data.errors import DataError
-from blujax.data.tokenizer import Tokenizer, find_tokenizer
+from blujax.data.tokenizer import HF_FILES, Tokenizer, find_tokenizer
 from blujax.data.tokenizer import gpt2 as gpt2_tokenizer
 from blujax.model import FAMILIES, family_of, gpt2
 
@@ -304,10 +308,26 @@ def read_llmc(path: str | os.PathLike) -> Pretrained:
 
 # --------------------------------------------------------------------------------------------
 # Export
+#
+# An export never lands where it would destroy what the user has: never in a blujax run folder
+# (its config.json is what eval, sample and --resume read) or the run's ckpt/ and tokenizer/,
+# never over a device, pipe or socket, and over files it does not write itself only when asked
+# (overwrite: `export --overwrite`). It writes into a temporary beside the target, renamed into
+# place at the end, so that a failed write (a full disk) leaves the target as it was. A link is
+# written through: its target is replaced, the link kept. Each refusal and each failed write is
+# an InteropError of one line.
+
+# The files an export writes into a Hugging Face folder: those it may replace there.
+HF_EXPORT_FILES = ("config.json", "model.safetensors", *HF_FILES)
+# A blujax run folder (what `train --out` writes) has config.json with "settings", or ckpt/;
+# its ckpt/ and tokenizer/ are the run's too.
+_RUN_PARTS = ("ckpt", "tokenizer")
+# The magic numbers of llm.c model files, which an llm.c export may replace.
+_LLMC_MODEL_MAGICS = (LLMC_MAGIC, 20240803)
 
 
 def export_hf(params, config, directory: str | os.PathLike, *,
-              tokenizer: Tokenizer | bool | None = True) -> Path:
+              tokenizer: Tokenizer | bool | None = True, overwrite: bool = False) -> Path:
     """Writes params (ours; numpy or jax arrays) into directory so that transformers'
     AutoModelForCausalLM.from_pretrained(directory) loads them (as the family's HF_ARCHITECTURE:
     GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM) and computes our logits on the
@@ -318,13 +338,18 @@ def export_hf(params, config, directory: str | os.PathLike, *,
     vocabulary of GPT-2's size) writes GPT-2's files (vocab.json, merges.txt,
     tokenizer_config.json, special_tokens_map.json) where tiktoken's cache holds them
     (`gpt2_tokenizer_files`); otherwise they are skipped with a log note (logger
-    blujax.interop, INFO), never an error. None or False: no tokenizer files. Returns the
-    directory."""
+    blujax.interop, INFO), never an error. None or False: no tokenizer files.
+
+    directory: a new folder, or one holding an earlier export, which this one replaces (the
+    export's files, HF_EXPORT_FILES, that it does not write again are removed). A folder that
+    holds other files too only with overwrite, and those are kept; a blujax run folder (or its
+    ckpt/, tokenizer/) never. Nothing in directory changes until every file is written: they
+    are written into a temporary folder beside it, then moved in. Returns the directory."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     folder = Path(directory)
-    if folder.exists() and not folder.is_dir():
-        raise InteropError(f"{folder}: exists and is not a folder")
+    target = _hf_target(folder, overwrite)
     model = _family_of(config)
     try:
         hf = model.hf_config(config)
@@ -333,23 +358,29 @@ def export_hf(params, config, directory: str | os.PathLike, *,
         tensors = model.to_hf(params, config)
     except ValueError as e:
         raise InteropError(f"cannot export to {folder}: {e}") from None
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / "config.json",
-                  lambda f: f.write((json.dumps(hf, indent=2) + "\n").encode()))
-    # transformers refuses a safetensors file without format "pt" in its metadata.
-    tmp = _tmp_name(folder / "model.safetensors")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        shutil.copymode(folder / "config.json", tmp)  # safetensors makes it owner-only
-        os.replace(tmp, folder / "model.safetensors")
-    finally:
-        tmp.unlink(missing_ok=True)
-    if isinstance(tokenizer, Tokenizer) and not tokenizer.is_gpt2:
-        written = tokenizer.save(folder)
-        log.info("%s: wrote the tokenizer of %s (%s)", folder, tokenizer.name,
-                 ", ".join(written))
-    elif tokenizer:
-        _export_tokenizer(folder, config)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(target, "tmp")
+        os.mkdir(tmp)
+        try:
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
+            try:
+                # transformers refuses a safetensors file without format "pt" in its metadata.
+                save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            except SafetensorError as e:  # a write that failed (disk full) among them
+                raise _os_error(e) from None
+            shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # was owner-only
+            if isinstance(tokenizer, Tokenizer) and not tokenizer.is_gpt2:
+                written = tokenizer.save(tmp)
+                log.info("%s: wrote the tokenizer of %s (%s)", folder, tokenizer.name,
+                         ", ".join(written))
+            elif tokenizer:
+                _export_tokenizer(tmp, config, folder)
+            _commit_folder(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        raise InteropError(f"cannot write {folder}: {_why(e, target)}") from None
     return folder
 
 
@@ -371,7 +402,8 @@ def gpt2_tokenizer_files() -> dict[str, Path] | None:
     return found
 
 
-def _export_tokenizer(folder: Path, config) -> list[str]:
+def _export_tokenizer(into: Path, config, folder: Path) -> list[str]:
+    """GPT-2's tokenizer files into `into`, on their way to `folder` (named in the log)."""
     if config.vocab_size != vocab.GPT2_VOCAB_SIZE:
         log.info("%s: no tokenizer files written: the vocabulary (%d) is not GPT-2's", folder,
                  config.vocab_size)
@@ -382,30 +414,32 @@ def _export_tokenizer(folder: Path, config) -> list[str]:
                  "TIKTOKEN_CACHE_DIR)", folder)
         return []
     for name, src in files.items():
-        shutil.copyfile(src, folder / name)
+        shutil.copyfile(src, into / name)
     eot = "<|endoftext|>"
     special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
     tok_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": config.block_size,
                   "add_prefix_space": False, "errors": "replace", **special}
     for name, content in (("tokenizer_config.json", tok_config),
                           ("special_tokens_map.json", special)):
-        (folder / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+        (into / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
     written = [*files, "tokenizer_config.json", "special_tokens_map.json"]
     log.info("%s: wrote GPT-2's tokenizer (%s)", folder, ", ".join(written))
     return written
 
 
 def export_llmc(params, config, path: str | os.PathLike, *,
-                dtype: str = "float32") -> Path:
+                dtype: str = "float32", overwrite: bool = False) -> Path:
     """Writes params as an llm.c model file that llm.c's train_gpt2 and read_llmc both read:
     dtype "float32" (header version 3; train_gpt2.c and train_gpt2.cu built with
     PRECISION=FP32) or "bfloat16" (version 5, rounded to nearest even; train_gpt2.cu's
-    default). The embedding keeps config's padded rows. Returns the path."""
+    default). The embedding keeps config's padded rows. path: a new file or an llm.c model file,
+    which it replaces; another file only with overwrite, and never one of a blujax run's;
+    never a folder, device, pipe or socket. It is written whole or not at all (a temporary
+    file beside it, renamed over it). Returns the path."""
     if dtype not in LLMC_VERSIONS.values():
         raise InteropError(f"llm.c model files are float32 or bfloat16, not {dtype!r}")
     path = Path(path)
-    if path.is_dir():
-        raise InteropError(f"{path}: is a folder (expected a file name such as model.bin)")
+    target = _llmc_target(path, overwrite)
     model = _family_of(config)
     if not hasattr(model, "to_llmc"):
         raise InteropError(f"cannot export to {path}: llm.c model files hold GPT-2 only")
@@ -427,9 +461,247 @@ def export_llmc(params, config, path: str | os.PathLike, *,
                 x = x.astype("<f4", copy=False)
             f.write(x.tobytes())
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, write)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(target, write)
+    except OSError as e:
+        raise InteropError(f"cannot write {path}: {_why(e, target)}") from None
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Export targets: what may be written, and writing it whole
+
+
+def _hf_target(folder: Path, overwrite: bool) -> Path:
+    """Where export_hf writes `folder` (links resolved), once it is known to be nothing yet or
+    a folder that is no run's, holding an export's files only (or overwrite)."""
+    target = Path(os.path.realpath(folder))
+    st = _stat(target, folder)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise InteropError(f"{folder}: exists and is not a folder (a {_kind(st.st_mode)})")
+    if target == target.parent:
+        raise InteropError(f"{folder}: the root folder cannot hold an export; name a folder")
+    run = _run_of(target)
+    if run is not None and run[1] is None:
+        raise InteropError(
+            f"{folder}: is a blujax run folder ({_run_markers(target)}); an export there would "
+            f"replace the run's config.json, so it is refused even with --overwrite; export "
+            f"into a folder of its own, e.g. {folder / 'hf'}")
+    if run is not None:
+        shown = _shown(run[0], folder, target)
+        raise InteropError(
+            f"{folder}: lies in {run[1]}/ of the blujax run {shown}, which the run needs; "
+            f"refused even with --overwrite; export into a folder of its own, e.g. "
+            f"{shown / 'hf'}")
+    if st is None or overwrite:
+        return target
+    try:
+        foreign = _foreign_files(target)
+    except OSError as e:
+        raise InteropError(f"cannot write {folder}: {_why(e, target)}") from None
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
+                                          else "")
+        raise InteropError(
+            f"{folder}: holds files an export does not write ({names}); --overwrite exports "
+            f"into it anyway, keeping them (only an export's own files are replaced), or "
+            f"choose a new folder")
+    return target
+
+
+def _llmc_target(path: Path, overwrite: bool) -> Path:
+    """Where export_llmc writes `path` (links resolved), once it is known to be nothing yet, an
+    empty file or an llm.c model file, or (overwrite) another file that is no run's."""
+    target = Path(os.path.realpath(path))
+    st = _stat(target, path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InteropError(f"{path}: is a folder (expected a file name such as model.bin)")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InteropError(f"{path}: is a {_kind(st.st_mode)}, not a regular file; an llm.c "
+                           f"model file is written as a file of its own, e.g. model.bin")
+    run = _run_of(target.parent)
+    if run is not None and run[1] is not None:
+        shown = _shown(run[0], path.parent, target.parent)
+        raise InteropError(f"{path}: lies in {run[1]}/ of the blujax run {shown}, which the "
+                           f"run needs; refused even with --overwrite; export to a file of "
+                           f"its own, e.g. {shown / 'model.bin'}")
+    if st is None or st.st_size == 0 or _magic(target) in _LLMC_MODEL_MAGICS:
+        return target
+    if run is not None:
+        shown = _shown(run[0], path.parent, target.parent)
+        raise InteropError(f"{path}: is a file of the blujax run {shown}, not an llm.c model "
+                           f"file; refused even with --overwrite; export to a file of its "
+                           f"own, e.g. {shown / 'model.bin'}")
+    if not overwrite:
+        raise InteropError(f"{path}: exists and is not an llm.c model file; --overwrite "
+                           f"replaces it, or choose a new file name")
+    return target
+
+
+def _stat(target: Path, given: Path) -> os.stat_result | None:
+    try:
+        return os.stat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a link loop, a folder we may not enter
+        raise InteropError(f"cannot write {given}: {e.strerror or e}") from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _magic(path: Path) -> int | None:
+    """The first int32 of a regular file, None where it has fewer than 4 bytes."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4)
+    except OSError:
+        return None
+    return int(np.frombuffer(raw, "<i4")[0]) if len(raw) == 4 else None
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in the regular file path; {} where there is none."""
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return {}
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _is_run(folder: Path) -> bool:
+    return (folder / "ckpt").is_dir() or "settings" in _json_object(folder / "config.json")
+
+
+def _run_markers(folder: Path) -> str:
+    marks = ["config.json with the run's settings"] \
+        if "settings" in _json_object(folder / "config.json") else []
+    return ", ".join(marks + ["ckpt/"] * (folder / "ckpt").is_dir())
+
+
+def _run_of(path: Path) -> tuple[Path, str | None] | None:
+    """(the run folder, None) where path is a blujax run folder; (it, "ckpt" or "tokenizer")
+    where path is or lies in that part of one; else None."""
+    try:
+        if _is_run(path):
+            return path, None
+        for part in (path, *path.parents):
+            if part.name in _RUN_PARTS and _is_run(part.parent):
+                return part.parent, part.name
+    except OSError:
+        pass  # what cannot be looked at is written, or its write fails, as it will
+    return None
+
+
+def _shown(run: Path, given: Path, resolved: Path) -> Path:
+    """The run folder as the user named it: `given`'s ancestor where its links allow."""
+    up = len(resolved.relative_to(run).parts)
+    shown = ([given, *given.parents][up] if up <= len(given.parents) else None)
+    return shown if shown is not None and os.path.realpath(shown) == str(run) else run
+
+
+def _foreign_files(folder: Path) -> list[str]:
+    """The names in folder that are not an earlier export's files (a config.json without a
+    model_type is not a Hugging Face config); folders end in "/"."""
+    foreign = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name in HF_EXPORT_FILES and entry.is_file() and (
+                entry.name != "config.json" or "model_type" in _json_object(Path(entry.path))):
+            continue
+        foreign.append(entry.name + "/" * entry.is_dir())
+    return foreign
+
+
+def _temp_sibling(path: Path, kind: str) -> Path:
+    """A new hidden name beside path: the same folder, so renames from it are atomic."""
+    return path.with_name(f".{path.name}.{os.urandom(4).hex()}.{kind}")
+
+
+def _write_atomic(path: Path, write):
+    """Writes the file path (links resolved) through a new temporary file beside it, fsynced
+    and renamed over it: a crash or a failed write leaves path as it was, and no temporary. It
+    keeps the mode of the file it replaces."""
+    tmp = _temp_sibling(path, "tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
+            except FileNotFoundError:
+                pass
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _commit_folder(tmp: Path, target: Path):
+    """Moves the written folder tmp into place at target: renamed, where target is new; else
+    its files renamed into target, the export's files already there set aside first and put
+    back should a rename fail, removed once all are in. Other files in target stay."""
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return
+    old = [name for name in HF_EXPORT_FILES if os.path.lexists(target / name)]
+    aside = _temp_sibling(target, "old")
+    os.mkdir(aside)
+    moved, placed = [], []
+    try:
+        for name in old:
+            os.rename(target / name, aside / name)
+            moved.append(name)
+        for path in sorted(tmp.iterdir()):
+            os.rename(path, target / path.name)
+            placed.append(path.name)
+    except OSError:
+        for name in placed:
+            if name not in moved:
+                with contextlib.suppress(OSError):
+                    os.unlink(target / name)
+        for name in moved:
+            with contextlib.suppress(OSError):
+                os.rename(aside / name, target / name)
+        with contextlib.suppress(OSError):
+            os.rmdir(aside)  # kept, should an old file not have gone back
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    fsync_dir(target)
+
+
+def _os_error(e: Exception) -> OSError:
+    """safetensors' error of a failed write as the OSError it wraps ("... (os error 28)")."""
+    found = re.search(r"os error (\d+)", str(e))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    return OSError(_first_line(e))
+
+
+def _why(e: OSError, target: Path) -> str:
+    """An OSError of writing target in words, naming the file where it is not one written."""
+    why = e.strerror or _first_line(e)
+    if not e.filename:
+        return why
+    name = Path(os.fsdecode(e.filename))
+    ours = any(p == target or p.name.startswith(f".{target.name}.") for p in
+               (name, *name.parents))
+    return why if ours else f"{name}: {why}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,23 +715,6 @@ def _family_of(config):
     except TypeError:
         raise InteropError(f"cannot export a {type(config).__name__}: blujax exports "
                            f"{', '.join(FAMILIES)}") from None
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
-
-
-def _write_atomic(path: Path, write):
-    """Writes path through a temporary file, so a crash never leaves half a file there."""
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _first_line(e: BaseException) -> str:

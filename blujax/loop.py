@@ -10,13 +10,14 @@ several processes.
 
 run() owns what goes around the jitted step: the first step is not timed (it compiles), and
 each step's metrics are read back while the next one runs; a checkpoint every save_every steps
-and after the last; the evaluation hooks every eval_every steps and at the last; SIGINT or
-SIGTERM stop after the step under way, with a checkpoint (a second Ctrl-C aborts); a run of
-max_nonfinite steps in a row whose loss or gradient norm was not finite (each skipped by the
-step) stops it, and so does a DataError from the batches, each after a checkpoint; a profile of
-a few steps. It returns the last state and a Stop that says why it ended. With several
-processes (blujax.processes), every process calls it alike; the lead alone saves, notes and
-feeds the sinks.
+or save_seconds, and after the last; the evaluation hooks every eval_every steps and at the
+last; SIGINT or SIGTERM stop after the step under way, with a checkpoint (a second Ctrl-C
+aborts); a run of max_nonfinite steps in a row whose loss or gradient norm was not finite
+(each skipped by the step) stops it, and so does a DataError from the batches, and a failure
+of anything beside the steps (an evaluation, a sink, the profiler), each after a checkpoint;
+a profile of a few steps. It returns the last state and a Stop that says why it ended. With
+several processes (blujax.processes), every process calls it alike; the lead alone saves,
+notes and feeds the sinks.
 
 A checkpoint holds checkpoint_tree(state, **extras) and the loader's position; resuming is
 
@@ -29,6 +30,7 @@ after which run() continues the run bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -40,7 +42,8 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from blujax.checkpoint import NO_MANIFEST, Checkpointer, EarlierLayout, Restored
+from blujax.checkpoint import (NO_MANIFEST, CheckpointError, Checkpointer, EarlierLayout,
+                               Restored)
 from blujax.data import DataError
 from blujax.metrics import mfu
 from blujax.model import family_of
@@ -57,7 +60,10 @@ class LoopConfig:
 
     steps: the run's length (evaluations at its last step); stop_after: this call ends after
     that step (default: steps). save_every: a checkpoint every that many steps (0: only at the
-    end). eval_every: the evaluation hooks every that many steps and at the last (0: never).
+    end); save_seconds: also one once that many seconds have passed since the last (0: never
+    by the clock). Saves are asynchronous (blujax.checkpoint): a step waits only for the copy
+    of the state to host memory. eval_every: the evaluation hooks every that many steps and
+    at the last (0: never).
     accum: the micro-batches of a step (a batch [B, T] goes in as [accum, B / accum, T]).
     max_nonfinite: skipped steps in a row that stop the run. profile: a folder for a
     jax.profiler trace of profile_steps steps, the first of them profile_after steps in.
@@ -68,6 +74,7 @@ class LoopConfig:
     steps: int
     stop_after: int | None = None
     save_every: int = 0
+    save_seconds: float = 0
     eval_every: int = 0
     accum: int = 1
     max_nonfinite: int = 10
@@ -84,7 +91,7 @@ class LoopConfig:
         if self.stop_after is not None and not 0 <= self.stop_after <= self.steps:
             raise ValueError(f"LoopConfig.stop_after {self.stop_after} must lie in "
                              f"[0, steps {self.steps}]")
-        for name in ("save_every", "eval_every"):
+        for name in ("save_every", "save_seconds", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoopConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("accum", "max_nonfinite", "profile_steps", "stop_poll"):
@@ -114,18 +121,45 @@ class NonFiniteError(TrainingError):
     def __init__(self, steps: list[int], saved: str | None):
         first, last = steps[0], steps[-1]
         super().__init__(
-            f"the loss or gradient norm was not finite in {len(steps)} steps in a row (steps "
-            f"{first}-{last}; none of them updated the parameters): stopped"
+            f"the loss or gradient norm was not finite in {plural(len(steps), 'step')} in a "
+            f"row (steps {first}-{last}; none of them updated the parameters): stopped"
             + (f", {saved} whose parameters are step {first - 1}'s" if saved else
                f" after step {last}, whose parameters are step {first - 1}'s"))
         self.steps = steps
 
 
+class SideFailure(TrainingError):
+    """Something beside the steps failed mid-run (`what`: an evaluation, recording the
+    metrics: a sink, profiling) with `cause`; run() saved the state of `step` first, if it
+    could (`saved` says where, in words; None: not saved)."""
+
+    def __init__(self, what: str, step: int, cause: BaseException, saved: str | None):
+        super().__init__(f"{what} failed after step {step} ({one_line(cause)}): stopped"
+                         + (f", {saved}" if saved else ", with no checkpoint of it"))
+        self.what, self.step, self.cause, self.saved = what, step, cause, saved
+
+
+def one_line(e: BaseException) -> str:
+    """An error in one line: the message of one with a message for its user (blujax's own, the
+    OS's), else its type and the first line of its message."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    text = next((line for line in str(e).splitlines() if line.strip()), "").strip()
+    if type(e).__module__.startswith("blujax") and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """n and the word, singular for 1: plural(1, "step") is "1 step"."""
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Stop:
     """Why run() ended. reason: FINISHED (after stop_after), SIGNAL (SIGINT / SIGTERM asked,
-    before stop_after) or ERROR (`error`: a data.DataError from the batches or a
-    NonFiniteError; the checkpointer saved the state first). step: the last step taken."""
+    before stop_after) or ERROR (`error`: a data.DataError from the batches, a NonFiniteError,
+    or a SideFailure; the checkpointer saved the state first). step: the last step taken."""
 
     reason: str
     step: int
@@ -154,10 +188,11 @@ def run(state: TrainState, train_step: Callable, batches: Iterable, config: Loop
     batch_sharding: where the batches go (None: the default device). note(text): the loop's
     warnings and notes, on the lead (default: stderr).
 
-    A failed checkpoint save raises its CheckpointError (at the next step), and an error of a
-    sink or a hook is raised as it comes; a DataError from the batches and a run of non-finite
-    steps return with Stop.error, after a checkpoint (the caller raises it once its own files
-    are written).
+    A failed checkpoint save raises its CheckpointError (at the next step). A DataError from
+    the batches, a run of non-finite steps, and any error of a hook, a sink or the profiler (a
+    SideFailure, after every sink has had the records read back so far) return with
+    Stop.error, after a checkpoint (the caller raises it once its own files are written); with
+    several processes, a SideFailure is raised (the others, in a collective, cannot save).
     """
     return _Run(train_step, batches, config, checkpointer, extras or {}, checkpoint_state,
                 checkpoint_config, list(evals), list(sinks), processes, batch_sharding,
@@ -174,6 +209,30 @@ def val_loss_hook(eval_step: Callable, batches, name: str = "val_loss") -> Calla
         return {name: float(np.mean(jax.device_get(losses)))}
 
     return val_loss
+
+
+def check_profile(folder):
+    """Proves that a profile can be written into `folder` (jax.profiler writes it only as the
+    trace ends): a file written there and deleted, with any folders made for it. A
+    TrainingError says why not; run() calls it before step 1, and so may a program sooner."""
+    folder = Path(folder)
+    made = []  # deepest first
+    for f in (folder, *folder.parents):
+        if f.exists():
+            break
+        made.append(f)
+    probe = folder / f".probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+    except OSError as e:
+        raise TrainingError(f"cannot write a profile into {folder}: {e.strerror or e}") from None
+    finally:
+        for f in (probe, *made):
+            try:
+                f.rmdir() if f.is_dir() else f.unlink()
+            except OSError:
+                pass
 
 
 class StopRequest:
@@ -274,8 +333,17 @@ def map_params(f: Callable, tree: dict) -> dict:
 # The loop
 
 
+class _Failed(Exception):
+    """Something beside the steps failed (`what`: an evaluation, a sink, the profiler)."""
+
+    def __init__(self, what: str, cause: Exception):
+        super().__init__(what)
+        self.what, self.cause = what, cause
+
+
 class _Run:
-    """One call of run(): its bookkeeping between steps."""
+    """One call of run(): its bookkeeping between steps. The state trained so far is
+    self.state, so that a failure beside the steps (_Failed) can still save it."""
 
     def __init__(self, train_step, batches, config: LoopConfig, checkpointer, extras,
                  checkpoint_state, checkpoint_config, evals, sinks, procs: Processes,
@@ -289,80 +357,141 @@ class _Run:
         self.note = note or (lambda text: print(text, file=sys.stderr, flush=True))
         self.tokens_per_step = None  # of the whole batch, from the first
         self.nonfinite = []  # the steps of the current run of non-finite steps
+        self.pending = None  # (step, metrics): dispatched, not read back yet
+        self.unlogged = None  # a record read back, not yet given to the sinks
+        self.timed = False  # the first step of a process compiles: it is not timed
+        self.tracing = False
 
     def run(self, state):
-        c, lead = self.config, self.procs.lead
-        start, stop_after = int(state.step), c.last
-        trace, profile = c.traced(start), c.profile
-        if profile and trace.stop > stop_after:
-            self._note(f"warning: the profile traces steps {trace.start + 1}-{trace.stop}, but "
-                       f"this run ends after step {stop_after}: no trace")
-            profile = None
-        pending = None     # (step, metrics): dispatched, not read back yet
-        timed = False      # the first step of a process compiles: it is not timed
+        c = self.config
+        self.state, start = state, int(state.step)
+        self.trace = c.traced(start) if c.profile else None
+        if self.trace is not None and self.trace.stop > c.last:
+            self._note(f"warning: the profile traces steps {self.trace.start + 1}-"
+                       f"{self.trace.stop}, but this run ends after step {c.last}: no trace")
+            self.trace = None
+        if self.trace is not None and self.procs.lead:
+            check_profile(c.profile)
         stop = None
         with StopRequest() as request:
-            t_ref = time.perf_counter()
-            for index in range(start, stop_after):
-                step = index + 1
-                if self.checkpointer is not None:
-                    self.checkpointer.raise_if_failed()  # a failed save stops the run now
+            self.t_ref, self.last_save = time.perf_counter(), time.monotonic()
+            for index in range(start, c.last):
                 try:
-                    batch = next(self.batches)
-                except (DataError, StopIteration) as e:
-                    # Unreadable data (a shard changed since it was checked): keep what is
-                    # trained, then stop.
-                    if pending is not None:
-                        self._log(self._finish(*pending, t_ref, timed)[0])
-                        pending = None
-                    self._save(state, index)
-                    saved = self._saved(index)
-                    stop = Stop(ERROR, index, DataError(
-                        f"{str(e) or 'the batches ran out'}; stopped before step {step}"
-                        + (f", {saved}" if saved else "")))
+                    stop = self._step(index, request)
+                except _Failed as failure:
+                    stop = self._failed(failure)
+                if stop is not None:
                     break
-                inputs, targets = self._put(batch)
-                # One trace, of the lead (the others' would share its file names).
-                if profile and index == trace.start and lead:
-                    jax.profiler.start_trace(str(profile))
-                state, metrics = self.train_step(state, inputs, targets)
-                diverged = False
-                if pending is not None:  # read the previous step while this one runs
-                    record, t_ref = self._finish(*pending, t_ref, timed)
-                    timed = True
-                    self._log(record)
-                    diverged = self._diverged(record)
-                pending = (step, metrics)
-                eval_due = (bool(self.evals) and c.eval_every > 0
-                            and (step % c.eval_every == 0 or step == c.steps))
-                save_due = c.save_every > 0 and step % c.save_every == 0
-                stopping = self._stop_agreed(request.requested, step)
-                last = step == stop_after or stopping or diverged
-                trace_end = bool(profile) and step == trace.stop
-                if not (eval_due or save_due or last or trace_end):
-                    continue
-                record, _ = self._finish(*pending, t_ref, timed)
-                pending, timed = None, True
-                diverged = self._diverged(record) or diverged
-                if trace_end and lead:
-                    jax.profiler.stop_trace()
-                    self._note(f"profile of steps {trace.start + 1}-{step} written to {profile}")
-                if eval_due and not diverged:
-                    for hook in self.evals:
-                        record.update(hook(step, state))
+        return self.state, stop or Stop(FINISHED, int(self.state.step))
+
+    def _step(self, index: int, request: StopRequest) -> Stop | None:
+        """Step index + 1, and what is due after it; a Stop if the run ends there."""
+        c, step = self.config, index + 1
+        if self.checkpointer is not None:
+            self.checkpointer.raise_if_failed()  # a failed save stops the run now
+        try:
+            batch = next(self.batches)
+        except (DataError, StopIteration) as e:
+            return self._data_stop(index, e)
+        inputs, targets = self._put(batch)
+        # One trace, of the lead (the others' would share its file names).
+        if self.trace is not None and index == self.trace.start and self.procs.lead:
+            self._side("profiling", self._start_trace)
+        self.state, metrics = self.train_step(self.state, inputs, targets)
+        previous, self.pending = self.pending, (step, metrics)
+        # The previous step read back while this one runs.
+        diverged = previous is not None and self._read_back(*previous)
+        eval_due = (bool(self.evals) and c.eval_every > 0
+                    and (step % c.eval_every == 0 or step == c.steps))
+        stopping, time_due = self._agree(request.requested, step)
+        save_due = (c.save_every > 0 and step % c.save_every == 0) or time_due
+        last = step == c.last or stopping or diverged
+        trace_end = self.trace is not None and step == self.trace.stop
+        if not (eval_due or save_due or last or trace_end):
+            return None
+        record = self._finish(*self.pending, self.t_ref, self.timed)[0]
+        self.pending, self.unlogged, self.timed = None, record, True
+        diverged = self._diverged(record) or diverged
+        if trace_end and self.tracing:
+            self._side("profiling", self._stop_trace, step)
+        if eval_due and not diverged:
+            for hook in self.evals:
+                record.update(self._side("evaluation", hook, step, self.state))
+        self._log_unlogged()
+        if save_due or last or diverged:
+            self._save(self.state, step)
+        if diverged:
+            return Stop(ERROR, step, NonFiniteError(self.diverged_steps, self._saved(step)))
+        if stopping and step < c.last:
+            return Stop(SIGNAL, step)
+        self.t_ref = time.perf_counter()  # evaluating and saving are not step time
+        return None
+
+    def _read_back(self, step, metrics) -> bool:
+        """The record of a step before the last, to the sinks; whether the run diverged."""
+        record, self.t_ref = self._finish(step, metrics, self.t_ref, self.timed)
+        self.unlogged, self.timed = record, True
+        self._log_unlogged()
+        return self._diverged(record)
+
+    def _data_stop(self, index: int, e: Exception) -> Stop:
+        """Unreadable data (a shard changed since it was checked): what is trained is kept."""
+        if self.pending is not None:
+            self.unlogged = self._finish(*self.pending, self.t_ref, self.timed)[0]
+            self.pending = None
+            self._log_unlogged()
+        self._save(self.state, index)
+        saved = self._saved(index)
+        return Stop(ERROR, index, DataError(f"{str(e) or 'the batches ran out'}; stopped before "
+                                            f"step {index + 1}" + (f", {saved}" if saved else "")))
+
+    def _side(self, what: str, f: Callable, *args):
+        """f(*args), an activity beside the steps: its failure, whatever it is, is _Failed."""
+        try:
+            return f(*args)
+        except Exception as e:
+            raise _Failed(what, e) from e
+
+    def _failed(self, failure: _Failed) -> Stop:
+        """After a failure beside the steps: the records read back so far to every sink that
+        takes them, the trace ended, the steps done saved; a Stop that says what failed. With
+        several processes, which cannot save unless all of them do, a SideFailure raised."""
+        records = [self.unlogged] if self.unlogged is not None else []
+        if self.pending is not None:
+            records.append(self._finish(*self.pending, self.t_ref, self.timed)[0])
+        self.unlogged = self.pending = None
+        for record in records:
+            try:
                 self._log(record)
-                if save_due or last or diverged:
-                    self._save(state, step)
-                if diverged:
-                    error = NonFiniteError(self.diverged_steps, self._saved(step))
-                    stop = Stop(ERROR, step, error)
-                    break
-                if stopping:
-                    if step < stop_after:
-                        stop = Stop(SIGNAL, step)
-                    break
-                t_ref = time.perf_counter()  # evaluating and saving are not step time
-        return state, stop or Stop(FINISHED, int(state.step))
+            except _Failed:
+                pass  # the sinks that work have it
+        if self.tracing:
+            self.tracing = False
+            try:
+                jax.profiler.stop_trace()
+            except Exception:
+                pass
+        step = int(self.state.step)
+        if self.procs.count > 1:
+            raise SideFailure(failure.what, step, failure.cause, None) from failure.cause
+        try:
+            self._save(self.state, step)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+            saved = self._saved(step)
+        except CheckpointError as e:
+            saved = f"and its checkpoint failed too ({e})"
+        return Stop(ERROR, step, SideFailure(failure.what, step, failure.cause, saved))
+
+    def _start_trace(self):
+        jax.profiler.start_trace(str(self.config.profile))
+        self.tracing = True
+
+    def _stop_trace(self, step: int):
+        self.tracing = False
+        jax.profiler.stop_trace()
+        self._note(f"profile of steps {self.trace.start + 1}-{step} written to "
+                   f"{self.config.profile}")
 
     def _put(self, batch):
         """The batch as the step takes it: [accum, B / accum, T], where batch_sharding says.
@@ -404,16 +533,23 @@ class _Run:
         self.diverged_steps = list(self.nonfinite)
         return True
 
-    def _stop_agreed(self, requested: bool, step: int) -> bool:
-        """Whether to stop after this step. With several processes, a signal may reach some of
-        them only, and all must stop after the same step: they agree every stop_poll steps
-        (a collective, which waits for the step to end; not every step, so that the host
-        stays a step ahead of the devices)."""
+    def _agree(self, requested: bool, step: int) -> tuple[bool, bool]:
+        """Whether to stop after this step (a signal asked), and whether a save is due by the
+        clock (save_seconds). With several processes, a signal may reach some of them only,
+        and the clocks differ, but all must stop or save after the same step: they agree
+        every stop_poll steps (a collective, which waits for the step to end; not every step,
+        so that the host stays a step ahead of the devices)."""
+        c = self.config
+        due = c.save_seconds > 0 and time.monotonic() - self.last_save >= c.save_seconds
         if self.procs.count == 1:
-            return requested
-        return step % self.config.stop_poll == 0 and self.procs.any(requested)
+            return requested, due
+        if step % c.stop_poll:
+            return False, False
+        flags = self.procs.gather(int(requested) | 2 * int(due))
+        return any(f & 1 for f in flags), any(f & 2 for f in flags)
 
     def _save(self, state, step: int):
+        self.last_save = time.monotonic()
         if self.checkpointer is None and self.procs.count == 1:
             return
         # Gathered on every process (checkpoint_state may be a collective), written by one.
@@ -436,7 +572,21 @@ class _Run:
         if self.procs.lead:
             self.note(text)
 
+    def _log_unlogged(self):
+        record, self.unlogged = self.unlogged, None
+        if record is not None:
+            self._log(record)
+
     def _log(self, record):
-        if self.procs.lead:
-            for sink in self.sinks:
+        """The record to every sink (on the lead); a sink that fails does not keep it from
+        the others, and its error is raised, _Failed, after them."""
+        if not self.procs.lead:
+            return
+        failed = None
+        for sink in self.sinks:
+            try:
                 sink(record)
+            except Exception as e:
+                failed = failed or _Failed("recording the metrics", e)
+        if failed is not None:
+            raise failed from failed.cause

@@ -26,7 +26,8 @@ STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
 
 
 class MetricsError(ValueError):
-    """A metrics file that cannot be written, or is damaged other than by a torn last line."""
+    """A metrics file or loss plot that cannot be written, or a metrics file damaged other than
+    by a torn last line."""
 
 
 def read_metrics(path: Path, warn=None) -> list[dict]:
@@ -101,7 +102,10 @@ class LossPlot:
             self.draw()
 
     def draw(self):
-        plot_losses(self.records, self.path, self.title)
+        try:
+            plot_losses(self.records, self.path, self.title)
+        except OSError as e:
+            raise MetricsError(f"cannot write {self.path}: {e.strerror or e}") from None
 
 
 def plot_losses(records: list[dict], path: Path, title: str = ""):

@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import sys
 import threading
@@ -57,6 +58,10 @@ from blujax.data import DataError
 # ended; how long process 0, which hosts the coordination service, waits at most for the
 # others to end before it ends (and the service with it): longer than EXIT_GRACE_S.
 POLL_S, SILENT_S, EXIT_GRACE_S, LAST_WAIT_S = 1.0, 20.0, 15.0, 20.0
+# start()'s timing, in seconds: how long the processes wait for each other by default; when a
+# waiting process first says so, then how often. JAX's own initialization_timeout is set
+# INIT_MARGIN_S beyond ours, since its expiry aborts the process with a C++ fatal error.
+INIT_TIMEOUT_S, INIT_FIRST_S, INIT_EVERY_S, INIT_MARGIN_S = 300.0, 2.0, 10.0, 60
 EXIT_ERROR = 2    # a process ended with an error of its own (one of Processes.errors)
 EXIT_STOPPED = 2  # a process ended because another one stopped
 
@@ -178,13 +183,24 @@ class Processes:
 
 def start(coordinator: str | None = None, num_processes: int | None = None,
           process_id: int | None = None, *, errors: tuple = ERRORS,
-          local_device_ids=None) -> Processes:
+          init_timeout: float | None = None, local_device_ids=None) -> Processes:
     """This process's place in the run, with jax.distributed started when there are several:
     call it before anything asks JAX for its devices. Left out, coordinator ("HOST:PORT" of
     process 0's host), num_processes and process_id come from ENV_COORDINATOR,
     ENV_NUM_PROCESSES and ENV_PROCESS_ID, else num_processes is 1 and the others are what
     JAX detects (SLURM, Open MPI). errors: as Processes'. ProcessError for values that cannot
-    start a run, or a start that fails."""
+    start a run, or a start that fails.
+
+    While the processes wait for each other, each says so on stderr after INIT_FIRST_S, then
+    every INIT_EVERY_S (`process 0 of 2 waiting for the others at localhost:1234 (12 s of at
+    most 300 s)`); after init_timeout seconds (default INIT_TIMEOUT_S) it gives up with one
+    line, `error: process 0 of 2 gave up waiting for the others at localhost:1234 after
+    300 s: some have not started (...)`, and ends with status 2 (from a thread: JAX's wait
+    cannot be interrupted)."""
+    init_timeout = INIT_TIMEOUT_S if init_timeout is None else init_timeout
+    if not 0 < init_timeout < math.inf:
+        raise ProcessError(f"the time to wait for the other processes must be a finite number "
+                           f"of seconds above 0, got {init_timeout:g}")
     if num_processes is None:
         num_processes = _env_int(ENV_NUM_PROCESSES, 1)
     if num_processes < 1:
@@ -198,8 +214,11 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
         raise ProcessError(f"the process id must lie in [0, {num_processes}), got {process_id}")
     given = {"coordinator_address": coordinator, "process_id": process_id}
     try:
-        jax.distributed.initialize(num_processes=num_processes, local_device_ids=local_device_ids,
-                                   **{k: v for k, v in given.items() if v is not None})
+        with _Waiting(process_id, num_processes, coordinator, init_timeout):
+            jax.distributed.initialize(
+                num_processes=num_processes, local_device_ids=local_device_ids,
+                initialization_timeout=math.ceil(init_timeout) + INIT_MARGIN_S,
+                **{k: v for k, v in given.items() if v is not None})
     except (ValueError, RuntimeError) as e:
         raise ProcessError(f"could not start a run of {num_processes} processes: {e} (give "
                            f"process 0's HOST:PORT and this process's id: {ENV_COORDINATOR}, "
@@ -208,6 +227,54 @@ def start(coordinator: str | None = None, num_processes: int | None = None,
         raise ProcessError(f"{num_processes} processes asked for, but JAX started "
                            f"{jax.process_count()}")
     return Processes(jax.process_index(), num_processes, errors)
+
+
+class _Waiting:
+    """start()'s watch over jax.distributed.initialize, which blocks until every process has
+    connected: a thread says on stderr what this process waits for, and ends it (status 2)
+    once `timeout` has passed. How many have connected is not known before then."""
+
+    def __init__(self, index: int | None, count: int, coordinator: str | None,
+                 timeout: float):
+        who = f"process {index} of {count}" if index is not None else \
+            f"this process (one of {count})"
+        self.what = f"{who} waiting for the others" + (f" at {coordinator}" if coordinator
+                                                        else "")
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def __enter__(self):
+        self._start = time.monotonic()
+        threading.Thread(target=self._watch, name="blujax-start", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:  # the watcher ends the process under it, or never
+            self._done.set()
+        return False
+
+    def _watch(self):
+        deadline = self._start + self.timeout
+        report = self._start + INIT_FIRST_S
+        while not self._done.wait(max(0.0, min(report, deadline) - time.monotonic())):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            print(f"{self.what} ({now - self._start:.0f} s of at most {self.timeout:g} s)",
+                  file=sys.stderr, flush=True)
+            report += INIT_EVERY_S
+        with self._lock:
+            if self._done.is_set():
+                return
+            print(f"error: {self.what.replace(' waiting for', ' gave up waiting for', 1)} "
+                  f"after {self.timeout:g} s: some have not started (each needs the same "
+                  f"coordinator and number of processes, and an id of its own)",
+                  file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            # os._exit: the main thread is inside initialize, which no exception reaches.
+            os._exit(EXIT_ERROR)
 
 
 def _env_int(name: str, default: int | None) -> int | None:

@@ -35,7 +35,8 @@ def generate(params, prompt, *, config, key, max_new_tokens: int,
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     total = prompt.shape[1] + max_new_tokens
     if total > config.block_size:
-        raise ValueError(f"generate: prompt ({prompt.shape[1]} tokens) + max_new_tokens "
+        n = prompt.shape[1]
+        raise ValueError(f"generate: prompt ({n} token{'s' * (n != 1)}) + max_new_tokens "
                          f"({max_new_tokens}) = {total} exceeds the model's block_size "
                          f"({config.block_size})")
     if not temperature >= 0:

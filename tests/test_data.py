@@ -335,7 +335,7 @@ def test_loader_state_resumes_with_next_batch(shards):
         assert all(np.array_equal(next(again).inputs, a) for a in after)
         with pytest.raises(ValueError, match="seed differs"):
             again.load_state(dict(state, seed=6))
-        with pytest.raises(ValueError, match="shard files"):
+        with pytest.raises(ValueError, match="the shards. tokens differ"):
             again.load_state(dict(state, shards="0" * 16))
 
 

@@ -18,7 +18,7 @@ import pytest
 from blujax import checkpoint as ckpt_lib
 from blujax import data
 from blujax.checkpoint import Checkpointer
-from blujax.cli.lock import RunLock
+from blujax.runs import RunLock
 from tests.test_gpt2_cli import (TINY, _assert_usage_error, _run, corpus,  # noqa: F401
                                  private_cache)
 
@@ -134,7 +134,7 @@ def test_a_second_run_into_a_busy_folder_exits_2(corpus, tmp_path, capsys):  # n
 def test_a_killed_run_leaves_no_stuck_lock(corpus, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys, time; from blujax.cli.lock import RunLock; "
+        [sys.executable, "-c", "import os, sys, time; from blujax.runs import RunLock; "
                                f"l = RunLock({str(out)!r}).__enter__(); print('held', "
                                "flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)

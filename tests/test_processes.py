@@ -149,6 +149,48 @@ def test_a_silent_process_stops_the_other(tmp_path):
     assert ended0 - _stopped_at(results[1][1]) < 30
 
 
+_ALONE = """
+import sys
+from blujax import processes
+from blujax.cli.settings import USER_ERRORS
+index, port = int(sys.argv[1]), sys.argv[2]
+processes.start(f"localhost:{port}", 2, index, errors=USER_ERRORS, init_timeout=3)
+print("started", flush=True)
+"""
+
+
+def test_a_process_waiting_for_a_missing_one_says_so_then_gives_up(tmp_path):
+    """Process 0 of 2 whose peer never starts, and process 1 whose coordinator never comes up:
+    each says what it waits for within seconds, then gives up after --init-timeout with one
+    line and status 2, no traceback."""
+    script = tmp_path / "alone.py"
+    script.write_text(_ALONE)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).parents[1]))
+    ports = [str(_free_port()) for _ in range(2)]
+    began = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), ports[i]], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    try:
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert time.monotonic() - began < 30
+    for i, (p, (out, err)) in enumerate(zip(procs, results)):
+        where = f"process {i} of 2 waiting for the others at localhost:{ports[i]}"
+        assert p.returncode == 2, err
+        assert "started" not in out and "Traceback" not in err and "Check failure" not in err
+        lines = err.strip().splitlines()
+        assert lines[0].startswith(f"{where} (2 s of at most 3 s)"), err
+        assert lines[-1] == (f"error: process {i} of 2 gave up waiting for the others at "
+                             f"localhost:{ports[i]} after 3 s: some have not started (each "
+                             f"needs the same coordinator and number of processes, and an id "
+                             f"of its own)")
+        assert all(line.startswith(where) for line in lines[:-1])
+
+
 class _FakeStore:
     """The coordination service's key-value store, in this process."""
 
@@ -267,3 +309,8 @@ def test_start_takes_its_arguments_else_the_environment(monkeypatch):
         processes.start(num_processes=2)
     with pytest.raises(processes.ProcessError, match=r"must lie in \[0, 2\), got 2"):
         processes.start(num_processes=2, process_id=2)
+    for wait in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(processes.ProcessError, match="^the time to wait for the other "
+                                                         "processes must be a finite number "
+                                                         "of seconds above 0, got "):
+            processes.start(num_processes=2, process_id=0, init_timeout=wait)

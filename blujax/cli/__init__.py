@@ -3,13 +3,14 @@
 the tests call `main(argv)` in-process. The README shows it at work, `COMMAND --help` every
 flag.
 
-It is flags, settings and printing over the library: the data blujax.data, the state to start
-from blujax.startup, the step blujax.train, the loop blujax.loop, metrics and progress
-blujax.metrics, several processes blujax.processes. The modules, in the order a run uses them:
+It is flags, settings and printing over the library: the data blujax.data, the run folder
+blujax.runs, the state to start from blujax.startup, the step blujax.train, the loop
+blujax.loop, metrics and progress blujax.metrics, several processes blujax.processes. The
+modules, in the order a run uses them:
     parser.py     the flags of each command, with their help
     settings.py   a run's settings, their defaults and checks; the errors main() reports
-    run.py        the run folder (--out): config.json and the checkpoints in it
-    lock.py       one run per folder: the lock on --out
+    run.py        what it settles about the run folder (--out; the folder itself is
+                  blujax.runs): the state to evaluate, config.json's record, what to train
     train.py      `train`: settings, folder, data, state, then blujax.loop.run
     report.py     what a run prints: its first and last lines, notes, the loss plot's title
     generate.py   `eval` and `sample`

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from blujax import data, evaluate, hellaswag, interop, sample
+from blujax.loop import plural
 from blujax.cli import run
 from blujax.cli.settings import (TrainSettings, UsageError, check_counts, check_number,
                                  defaults, on_accelerator, training_config)
 from blujax.data import tokenizer as tokenizer_lib
 from blujax.data.sources import TEXT
 from blujax.data.tokenizer import Tokenizer
+from blujax.model import family_of
 from blujax.model import ops as model_ops
 from blujax.train import DTYPES, make_eval_step
 
@@ -49,7 +52,7 @@ def load_model(args) -> Model:
     if args.init_from is not None:
         if args.out is not None:
             raise UsageError("--out and --init-from name two models: give one")
-        pre = interop.load_pretrained(args.init_from)
+        pre = load_pretrained(args.init_from)
         model = Model(pre.config, jax.device_put(pre.params), args.init_from, "ffi",
                       defaults(on_accelerator())["dtype"], pre.tokenizer)
     else:
@@ -62,6 +65,27 @@ def load_model(args) -> Model:
     return model
 
 
+def load_pretrained(src) -> interop.Pretrained:
+    """--init-from SRC: pretrained weights (blujax.interop.load_pretrained), or a blujax run
+    folder's latest checkpoint, its parameters (fine-tuning one's own model) and tokenizer."""
+    folder = Path(src)
+    if (folder / "config.json").is_file() and "settings" in _json_keys(folder / "config.json"):
+        config, s, restored, tokenizer = run.latest_params(folder)
+        return interop.Pretrained(
+            family_of(config).NAME, config, jax.device_get(restored.tree["params"]),
+            {"kind": "run", "path": str(folder), "name": s.model, "step": restored.step},
+            tokenizer)
+    return interop.load_pretrained(src)
+
+
+def _json_keys(path: Path) -> set:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()  # interop says what is wrong with it
+    return set(value) if isinstance(value, dict) else set()
+
+
 def cmd_eval(args) -> int:
     model = load_model(args)
     ops = model_ops.get(model.ops)
@@ -71,27 +95,30 @@ def cmd_eval(args) -> int:
     if args.data is None and s is None and args.hellaswag is None:
         raise UsageError("nothing to evaluate: give --data FILE (a validation loss) or "
                          "--hellaswag [FILE] with --init-from")
+    seq = args.seq or (s.seq if s else min(model.config.block_size, 1024))
+    if seq > model.config.block_size:
+        raise UsageError(f"--seq {seq} is longer than the model's context (block_size "
+                         f"{model.config.block_size})")
     result = {"model": model.name, "ops": model.ops, "dtype": model.dtype}
     if model.step is not None:
         result["step"] = model.step
     if args.data is not None:
-        seq = args.seq or (s.seq if s else min(model.config.block_size, 1024))
-        batch = args.batch or (s.batch if s else 8)
-        if seq > model.config.block_size:
-            raise UsageError(f"--seq {seq} is longer than the model's block_size "
-                             f"({model.config.block_size})")
+        # Whatever the model: all of --data unless --eval-batches says otherwise, so that the
+        # same weights give the same number from a run and from its export.
+        batch, k = args.batch or (s.batch if s else 8), args.eval_batches or 0
         tokens, description = data.eval_tokens(
             args.data, tokenizer=data_tokenizer(args.data, model.tokenizer, model.config,
                                                 f"--data {args.data}: the model {model.name}"),
             progress=not args.no_progress)
-        k = args.eval_batches if args.eval_batches is not None else (s.eval_batches if s else 0)
         try:
             loss = evaluate.evaluate_loss(model.params, model.config, tokens, batch=batch,
                                           seq=seq, max_batches=k or None, ops=ops,
                                           dtype=DTYPES[model.dtype])
         except ValueError as e:
             raise UsageError(f"--data {args.data}: {e}") from None
-        result.update(loss, data=description)
+        result.update(loss, data=description,
+                      which=("every batch" if not k else "the first batch" if k == 1
+                             else f"the first {k:,} batches"))
     elif s is not None:  # the run's own validation batches: what its val_loss measured
         result.update(_run_val_loss(model, ops, args), data=s.data)
     if args.hellaswag is not None:
@@ -101,25 +128,38 @@ def cmd_eval(args) -> int:
                                       dtype=DTYPES[model.dtype]))
     parts = [f"{model.name}:"]
     if "val_loss" in result:
-        parts.append(f"val loss {result['val_loss']:.4f} ({result['batches']} batches of "
-                     f"{result['batch']} x {result['seq']}, {result['tokens']:,} tokens)")
+        parts.append(f"val loss {result['val_loss']:.4f} ({result['which']}: "
+                     f"{plural(result['batches'], 'batch', 'batches')} of {result['batch']} x "
+                     f"{result['seq']}, {plural(result['tokens'], 'token')})")
     if "hellaswag_acc" in result:
         parts.append(f"HellaSwag acc {result['hellaswag_acc']:.4f}, acc_norm "
                      f"{result['hellaswag_acc_norm']:.4f} ({result['hellaswag_n']} items)")
     print(" ".join(parts) + f"; {model.ops} ops, {model.dtype}")
     if args.json is not None:
-        try:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-        except OSError as e:
-            raise UsageError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+        write_atomic(Path(args.json), json.dumps(result, indent=1) + "\n", "--json")
     return 0
+
+
+def write_atomic(path: Path, text: str, flag: str):
+    """text into path whole or not at all (a full disk leaves no empty file), written through
+    a symbolic link; a UsageError naming the flag otherwise."""
+    target = path.resolve() if path.is_symlink() else path
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        if target.exists() and not target.is_file():
+            raise UsageError(f"{flag} {path}: not a regular file")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {flag} {path}: {e.strerror or e}") from None
 
 
 def _run_val_loss(model: Model, ops, args) -> dict:
     """A run's validation loss as it measured it during training (its split, batch and seq
     unless --batch / --seq / --eval-batches say otherwise)."""
     s = dataclasses.replace(model.settings, dtype=model.dtype)
-    s.batch, s.seq = args.batch or s.batch, args.seq or s.seq
+    s.batch, s.seq = args.batch or s.batch, args.seq or s.seq  # seq checked by cmd_eval
     source = data.resolve(s.data, progress=not args.no_progress, tokenizer=data_tokenizer(
         s.data, model.tokenizer, model.config, f"the run's data: the model {model.name}"))
     if not source.val:
@@ -133,7 +173,10 @@ def _run_val_loss(model: Model, ops, args) -> dict:
                          f"sequence of {s.seq} tokens")
     eval_step = make_eval_step(model.config, training_config(s), ops=ops)
     loss = float(np.mean(jax.device_get([eval_step(model.params, x, y) for x, y in batches])))
-    return {"val_loss": loss, "batches": len(batches), "batch": int(batches[0][0].shape[0]),
+    which = (f"the run's validation batches, --eval-batches {n}" if n
+             else "the run's validation split, every batch")
+    return {"val_loss": loss, "which": which, "batches": len(batches),
+            "batch": int(batches[0][0].shape[0]),
             "seq": s.seq, "tokens": sum(int(x.size) for x, _ in batches)}
 
 
@@ -175,7 +218,7 @@ def cmd_sample(args) -> int:
     if not prompt:
         raise UsageError("--prompt is empty: give at least one token of text")
     if len(prompt) + args.max_new_tokens > config.block_size:
-        raise UsageError(f"the prompt ({len(prompt)} tokens) and --max-new-tokens "
+        raise UsageError(f"the prompt ({plural(len(prompt), 'token')}) and --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's block_size "
                          f"({config.block_size})")
     seed = 0 if args.seed is None else args.seed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from blujax import evaluate, interop, model, processes
-from blujax.cli.settings import SAMPLE_PROMPT, defaults
+from blujax.cli.settings import SAMPLE_PROMPT, SAVE_MINUTES, defaults
 
 # --dtype's values, and the other spellings it takes (llm.c's and numpy's names).
 DTYPE_NAMES = {"bf16": "bf16", "f32": "f32", "bfloat16": "bf16", "float32": "f32"}
@@ -66,14 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
                                            "or llm.c",
                 description="Write the latest parameters of the run in --out for another tool: "
                             "--format hf, a Hugging Face folder (config.json with the family's "
-                            "model_type, model.safetensors, GPT-2's tokenizer files where found "
-                            "offline) that transformers' AutoModelForCausalLM loads; --format "
-                            "llmc, an llm.c model file for its train_gpt2 and `train "
-                            "--init-from`.")
+                            "model_type, model.safetensors, the model's tokenizer files: "
+                            "GPT-2's where found offline) that transformers' "
+                            "AutoModelForCausalLM loads; --format llmc, an llm.c model file for "
+                            "its train_gpt2 and `train --init-from`.")
     x.add_argument("--format", choices=("hf", "llmc"), required=True,
                    help="hf: a Hugging Face folder; llmc: an llm.c .bin model file (required)")
     x.add_argument("--to", required=True, metavar="PATH",
                    help="the folder (hf) or file (llmc) to write (required)")
+    x.add_argument("--overwrite", action="store_true",
+                   help="export into a folder that holds files an export does not write (they "
+                        "are kept; only config.json, model.safetensors and tokenizer files are "
+                        "replaced), or over a file that is not an llm.c model file; never into "
+                        "a run's own folder (default: refuse those)")
     return parser
 
 
@@ -92,8 +97,9 @@ def _shared(both) -> dict[str, argparse.ArgumentParser]:
             f"pretrained weights, which train fine-tunes (no --model: they have a shape) and "
             f"eval and sample use instead of a run: a Hugging Face folder (config.json, "
             f"model.safetensors) of a model_type blujax reads ({types}), a hub name "
-            f"({', '.join(interop.HUB_NAMES)}; downloaded once) or an llm.c model file "
-            f"(gpt2_124M.bin, float32 or bfloat16) (default: train makes a new model of "
+            f"({', '.join(interop.HUB_NAMES)}; downloaded once), an llm.c model file "
+            f"(gpt2_124M.bin, float32 or bfloat16), or another run's folder (its latest "
+            f"checkpoint's parameters and tokenizer) (default: train makes a new model of "
             f"--model; eval and sample read the run in --out)")),
         "data": flag("--data", metavar="PATH_OR_GLOB", help=(
             "a text file, a directory or glob of llm.c .bin shards (split into train and val "
@@ -156,8 +162,15 @@ def _add_training_flags(t: argparse.ArgumentParser, both):
                    "activations in the backward pass: less memory, more compute (default: off)")
     t.add_argument("--eval-every", type=int, help="validate every this many steps and at the "
                    "end; 0: never (default: a tenth of --steps)")
-    t.add_argument("--save-every", type=int, help="checkpoint every this many steps (the last "
-                   "3 are kept); 0: only at the end (default: 0)")
+    t.add_argument("--save-every", type=int, help="checkpoint every this many steps and at the "
+                   "end (the last 3 are kept); 0: only at the end. Saves are written in the "
+                   "background: a step waits only for the state's copy to host memory (default: "
+                   "every tenth of --steps (a run under 10 steps: none), or every "
+                   "--save-minutes if that comes first; config.json records both)")
+    t.add_argument("--save-minutes", type=float, metavar="M",
+                   help=f"also checkpoint once M minutes have passed since the last checkpoint; "
+                        f"0: never by the clock (default: {SAVE_MINUTES:g} unless --save-every "
+                        f"is given, then 0)")
     t.add_argument("--sample-tokens", type=int,
                    help=f"at the end, sample this many tokens after \"{SAMPLE_PROMPT}\"; 0: "
                         f"no samples (default: 64)")
@@ -189,6 +202,10 @@ def _add_run_flags(t: argparse.ArgumentParser):
                    help=f"process 0's host and a free port there, where the processes meet "
                         f"(default: ${processes.ENV_COORDINATOR}, else JAX's guess under "
                         f"SLURM or MPI)")
+    t.add_argument("--init-timeout", type=float, metavar="SECONDS",
+                   help=f"how long the processes wait for each other at the start, each saying "
+                        f"so every {processes.INIT_EVERY_S:g} s, before they give up (default: "
+                        f"{processes.INIT_TIMEOUT_S:g})")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint, bit for bit, "
                         "with the settings that decide its numbers (default: a new run)")

@@ -15,8 +15,9 @@ import jax
 
 from blujax import model, processes
 from blujax.interop import InteropError
-from blujax.loop import TrainingError
+from blujax.loop import TrainingError, plural
 from blujax.metrics import MetricsError
+from blujax.runs import RunError
 from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, mesh_devices
 from blujax.train import TrainConfig
 
@@ -31,7 +32,8 @@ class UsageError(Exception):
 
 # The errors of the user's own making, the command line's and the library's: main() prints
 # them in one line and returns 2 (with several processes: Processes.fail_fast's `errors`).
-USER_ERRORS = (UsageError, *processes.ERRORS, TrainingError, MetricsError, InteropError)
+USER_ERRORS = (UsageError, *processes.ERRORS, TrainingError, MetricsError, InteropError,
+               RunError)
 
 
 @dataclasses.dataclass
@@ -39,7 +41,8 @@ class TrainSettings:
     """Every setting of a training run, with its default on a CPU (a small model that trains
     for a few minutes; ACCELERATOR_DEFAULTS on a GPU). Those in COMPUTE_KEYS decide its
     numbers, so a resumed run must keep them; the others only say what to measure and write,
-    and may change. warmup and eval_every follow steps (resolve_train_settings)."""
+    and may change. warmup, eval_every and save_every follow steps, and save_minutes
+    save_every (resolve_train_settings)."""
 
     data: str | None = None
     model: str = "small"
@@ -58,7 +61,8 @@ class TrainSettings:
     remat: bool = False
     eval_every: int | None = None
     eval_batches: int = 4
-    save_every: int = 0
+    save_every: int | None = None
+    save_minutes: float | None = None
     sample_tokens: int = 64
     dp: int = 1  # the device mesh (blujax.sharding)
     tp: int = 1
@@ -82,7 +86,10 @@ COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed
 # the run's values unless given, and may change them (then not bit for bit).
 PARALLEL_KEYS = ("dp", "tp", "cp", "zero")
 # Settings that runs of earlier versions lack (config.json): they take their defaults there.
-ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag")
+ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag", "save_minutes")
+# A run checkpoints every tenth of its steps or every SAVE_MINUTES, whichever comes first,
+# unless --save-every / --save-minutes say otherwise (see _save_rule).
+SAVE_MINUTES = 10.0
 
 
 def on_accelerator() -> bool:
@@ -115,6 +122,8 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
                                        f"{old[k]})" for k in changed))
         values = dict(old)
         values.update(given)
+        if values["save_minutes"] is None:  # a run of earlier versions: steps only
+            values["save_minutes"] = 0.0
     else:
         if "init_from" in given and "model" in given:
             raise UsageError("--model and --init-from: the model's shape comes from the weights "
@@ -124,8 +133,26 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
             values["warmup"] = values["steps"] // 10
         if values["eval_every"] is None:
             values["eval_every"] = max(1, values["steps"] // 10)
+    _save_rule(values, given)
     values["data"] = _data_spec(values["data"])
     return TrainSettings(**{f.name: values[f.name] for f in dataclasses.fields(TrainSettings)})
+
+
+def _save_rule(values: dict, given: dict):
+    """When the run checkpoints, as config.json records it. By default every tenth of --steps
+    (a run of fewer than 10 steps: none) or every SAVE_MINUTES, whichever comes
+    first: a crash loses a tenth of the run at most, and 10 minutes of a long one. A save
+    stalls the steps only for the copy of the state to host memory (the write is
+    asynchronous), under a second for GPT-2 124M: the clock's rule costs well under 1%, a
+    tenth's rule ten saves a run, of which the last 3 stay on disk. --save-every N alone
+    means every N steps, as it did (0: at the end only); --save-minutes M alone keeps the
+    tenth's rule and sets the clock's (0: none)."""
+    if "save_every" in given and "save_minutes" not in given:
+        values["save_minutes"] = 0.0
+    if values["save_every"] is None:
+        values["save_every"] = values["steps"] // 10
+    if values["save_minutes"] is None:
+        values["save_minutes"] = SAVE_MINUTES
 
 
 def _data_spec(spec: str | None) -> str | None:
@@ -146,6 +173,7 @@ def check_settings(s: TrainSettings, model_config):
     check_number("--min-lr-ratio", s.min_lr_ratio, low=0, high=1)
     check_number("--weight-decay", s.weight_decay, low=0)
     check_number("--grad-clip", s.grad_clip, low=0, why=" (0: no clipping)")
+    check_number("--save-minutes", s.save_minutes, low=0, why=" (0: not by the clock)")
     if s.seq > model_config.block_size:
         raise UsageError(f"--seq {s.seq} is longer than the model's block_size "
                          f"({model_config.block_size} for {s.model})")
@@ -157,6 +185,36 @@ def check_settings(s: TrainSettings, model_config):
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_parallel(s, model_config)
+
+
+# More passes over the training tokens than this, and a run is warned that it memorizes them.
+MAX_EPOCHS = 10
+
+
+def setting_warnings(s: TrainSettings, model_config, *, description: str, val: bool,
+                     train_tokens: int, epochs: float, prompt_tokens: int | None) -> list[str]:
+    """A `warning: ...` line for each setting that trains, but not as meant: description and
+    val: the data's, and whether it has a validation split; train_tokens and epochs: the
+    training tokens, and how many times the run reads them; prompt_tokens: the samples'
+    prompt's (None: no samples)."""
+    lines = []
+    if s.warmup > s.steps:  # step k trains at lr * k / warmup in the warmup
+        lines.append(f"warning: --warmup {s.warmup} is longer than --steps {s.steps}: the "
+                     f"learning rate never reaches --lr {s.lr:g} (the last step's is "
+                     f"{s.lr * s.steps / s.warmup:.3g})")
+    if s.eval_every and not val:
+        lines.append(f"warning: no validation shard in {description} (none has '_val_' in "
+                     f"its name): --eval-every {s.eval_every} measures no validation loss")
+    room = prompt_tokens is not None and model_config.block_size - prompt_tokens
+    if prompt_tokens is not None and s.sample_tokens > room:
+        lines.append(f"warning: --sample-tokens {s.sample_tokens} is capped to {room}: the "
+                     f"model's context ({model_config.block_size} tokens) holds the prompt's "
+                     f"{plural(prompt_tokens, 'token')} and {room} more")
+    if epochs > MAX_EPOCHS:
+        lines.append(f"warning: the run reads its {plural(train_tokens, 'training token')} "
+                     f"{epochs:.0f} times ({s.steps} steps of {s.batch} x {s.seq}): so many "
+                     f"epochs learn these tokens by heart; give more data, or fewer --steps")
+    return lines
 
 
 def check_counts(flags: dict, least: int):
@@ -202,10 +260,13 @@ def check_process_flags(args):
     several = (count > 1 if count is not None
                else bool(os.environ.get(processes.ENV_NUM_PROCESSES)))
     given = [f for f, v in (("--coordinator", args.coordinator),
-                            ("--process-id", args.process_id)) if v is not None]
+                            ("--process-id", args.process_id),
+                            ("--init-timeout", args.init_timeout)) if v is not None]
     if given and not several:
         raise UsageError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
                          f"a run of several processes: give --num-processes too")
+    if args.init_timeout is not None:
+        check_number("--init-timeout", args.init_timeout, low=0, low_open=True)
     if count and args.process_id is not None and not 0 <= args.process_id < count:
         raise UsageError(f"--process-id must lie in [0, --num-processes {count}), got "
                          f"{args.process_id}")

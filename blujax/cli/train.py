@@ -16,15 +16,16 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax import data, hellaswag, interop, loop, metrics, model, processes, sharding, startup
+from blujax import (data, hellaswag, loop, metrics, model, processes, runs, sharding,
+                    startup)
 from blujax.checkpoint import Checkpointer
 from blujax.cli import report, run
 from blujax.cli.generate import (data_tokenizer, encode, generate_text, hellaswag_items,
-                                 text_tokenizer)
-from blujax.cli.lock import RunLock
+                                 load_pretrained, text_tokenizer)
 from blujax.cli.settings import (SAMPLE_PROMPT, USER_ERRORS, TrainSettings, UsageError,
                                  check_process_flags, check_settings, model_preset,
-                                 resolve_train_settings, run_model_config, training_config)
+                                 resolve_train_settings, run_model_config, setting_warnings,
+                                 training_config)
 from blujax.data import tokenizer as tokenizer_lib
 from blujax.model import ops as model_ops
 from blujax.train import (batch_sharding, gather, local_copy, make_eval_step, make_train_step,
@@ -51,14 +52,30 @@ class _Run:
     items: list | None = None   # HellaSwag's, at every validation
     mesh: Any = None
     checkpointer: Checkpointer | None = None
+    folder: runs.RunFolder | None = None  # the lead's hold on --out
+    description: dict | None = None  # config.json's content (the lead's), which every
+    #                                  checkpoint keeps too, so a lost config.json comes back
 
 
 def cmd_train(args) -> int:
+    try:
+        return _train(args)
+    except KeyboardInterrupt:  # Ctrl-C in the set-up, or a second one in the loop: at once
+        out = Path(args.out or "out")
+        try:
+            where = runs.where_it_stands(out)
+        except OSError:
+            where = f"see {out}"
+        report.warn(f"interrupted: {where}")
+        return EXIT_INTERRUPTED
+
+
+def _train(args) -> int:
     check_process_flags(args)
     # First of all: with several processes, jax.distributed must start before anything asks
     # JAX for its devices (the settings' defaults do).
     procs = processes.start(args.coordinator, args.num_processes, args.process_id,
-                            errors=USER_ERRORS)
+                            errors=USER_ERRORS, init_timeout=args.init_timeout)
     with contextlib.ExitStack() as held:  # the folder's lock and the loader, until the end
         r = _settle(args, procs, held)
         if r is None:
@@ -68,13 +85,14 @@ def cmd_train(args) -> int:
         start = startup.initial_state(
             r.model_config, training_config(r.s), key=jax.random.key(r.s.seed),
             ops=model_ops.get(r.s.ops), mesh=r.mesh, shard_optimizer=r.s.zero,
-            checkpoints=run.checkpoint_dir(r.out) if args.resume else None,
+            checkpoints=runs.checkpoint_dir(r.out) if args.resume else None,
             params=r.pretrained and r.pretrained.params, processes=procs,
             extras={"sample_key": jax.random.fold_in(jax.random.key(r.s.seed), 1)},
             warn=report.warn if procs.lead else None)
         with procs.together():
             records = _continue(r, start, report.warn if procs.lead else None) \
                 if args.resume else []
+        _open_checkpoints(r, args, procs, held)
         _write_config(r, start, records, procs)
         state, stop = _loop(r, start, records, args, procs)
         return _finish(r, state, stop, start.extras["sample_key"], records, procs)
@@ -88,16 +106,17 @@ def _settle(args, procs: processes.Processes, held: contextlib.ExitStack) -> _Ru
     with procs.together():
         # One run per folder (the other processes share the lead's); a --resume of a folder
         # that is not there fails below without making it.
+        folder = None
         if procs.lead and not (args.resume and not out.is_dir()):
-            held.enter_context(RunLock(out))
-        saved = run.load_run(out) if args.resume else None
+            folder = held.enter_context(runs.RunFolder(out))
+        saved = runs.load_run(out, warn=report.warn) if args.resume else None
         s = resolve_train_settings(args, saved)
         pretrained = None
         if saved is not None:
             model_config = run_model_config(saved)
-            tokenizer = run.run_tokenizer(out, saved, model_config)
+            tokenizer = runs.run_tokenizer(out, saved, model_config)
         elif s.init_from is not None:  # fine-tuning: the model is the weights'
-            pretrained = interop.load_pretrained(s.init_from)
+            pretrained = load_pretrained(s.init_from)
             model_config, tokenizer = pretrained.config, pretrained.tokenizer
             s.model = pretrained.source.get("name") or Path(s.init_from).name
         else:
@@ -106,7 +125,9 @@ def _settle(args, procs: processes.Processes, held: contextlib.ExitStack) -> _Ru
         stop_after = s.steps if args.stop_after is None else args.stop_after
         if not 1 <= stop_after <= s.steps:
             raise UsageError(f"--stop-after {stop_after} must lie in [1, --steps {s.steps}]")
-        r = _Run(out, s, saved, model_config, pretrained, stop_after, tokenizer)
+        if args.profile and procs.lead:
+            loop.check_profile(args.profile)
+        r = _Run(out, s, saved, model_config, pretrained, stop_after, tokenizer, folder=folder)
         r.data_tokenizer = data_tokenizer(s.data, tokenizer, model_config,
                                           f"--data {s.data or '(the default corpus)'}: the "
                                           f"model {s.model}")
@@ -121,7 +142,7 @@ def _settle(args, procs: processes.Processes, held: contextlib.ExitStack) -> _Ru
 
 def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitStack):
     """The training loader (every shard's tokens checked), the validation batches, HellaSwag's
-    items, the mesh and (the lead's) checkpointer."""
+    items and the mesh."""
     s, vocab = r.s, r.model_config.vocab_size
     if r.source is None:  # the other processes, from the lead's cache
         r.source = data.resolve(s.data, tokenizer=r.data_tokenizer)
@@ -139,19 +160,41 @@ def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitS
                                max_batches=s.eval_batches, rows_multiple=s.dp, vocab_size=vocab)
         if r.source.val and not val and procs.lead:
             report.warn(f"warning: the validation split of {r.source.description} is shorter "
-                        f"than {s.dp} sequence(s) of --seq {s.seq}: no validation loss")
+                        f"than {loop.plural(s.dp, 'sequence')} of --seq {s.seq}: no "
+                        f"validation loss")
         where = None if r.mesh is None else NamedSharding(r.mesh, P(sharding.DATA))
         r.val = [tuple(procs.global_array(a, where) for a in b) for b in val]
     if s.hellaswag is not None and s.eval_every:
         r.items = hellaswag_items(text_tokenizer(r.tokenizer, r.model_config,
                                                  f"HellaSwag: the model {s.model}"), s.hellaswag,
                                   progress=_progress(args, procs))
-    # Process 0 alone writes checkpoints (the others only take part in gathering them), and
-    # finds out now whether it can, not at the first save.
+    if procs.lead:
+        for line in _warnings(r):
+            report.warn(line)
+
+
+def _warnings(r: _Run) -> list[str]:
+    """The warnings of settings that would train, but not as meant."""
+    s, prompt = r.s, None
+    try:
+        prompt = len(encode(tokenizer_lib.for_text(r.tokenizer, r.model_config.vocab_size,
+                                                   "the model"), SAMPLE_PROMPT))
+    except (data.DataError, UsageError):
+        pass  # no samples: _finish says so
+    return setting_warnings(s, r.model_config, description=r.source.description,
+                            val=bool(r.source.val), train_tokens=sum(r.loader.counts),
+                            epochs=s.steps / r.loader.batches_per_epoch, prompt_tokens=prompt)
+
+
+def _open_checkpoints(r: _Run, args, procs: processes.Processes, held: contextlib.ExitStack):
+    """A new run's folder cleared of an earlier run's files (--overwrite), once nothing in the
+    set-up can fail any more, and (the lead's) checkpointer. Process 0 alone writes
+    checkpoints (the others only take part in gathering them), and finds out now whether it
+    can, not at the first save."""
     if procs.lead:
         if not args.resume:
-            run.clear_run(r.out)
-        r.checkpointer = held.enter_context(Checkpointer(run.checkpoint_dir(r.out), keep=3))
+            r.folder.start_fresh()
+        r.checkpointer = held.enter_context(Checkpointer(runs.checkpoint_dir(r.out), keep=3))
         r.checkpointer.check_writable()
 
 
@@ -167,10 +210,10 @@ def _open_loader(s: TrainSettings, source: data.DataSource, saved: dict | None,
     # Whole batches, on every process (see loop.run).
     loader = data.DataLoader(source.train, None, batch_size=s.batch, seq_len=s.seq,
                              seed=s.seed, process_index=0, process_count=1, vocab_size=vocab_size)
-    if saved is not None and saved["data"]["fingerprint"] != loader.state()["shards"]:
+    if saved is not None and not loader.same_shards(saved["data"]["fingerprint"]):
         loader.close()
-        raise UsageError(f"--resume: the training data differs from the run's (other shard "
-                         f"files or token counts); the run used {saved['data']['description']}")
+        raise UsageError(f"--resume: the training data differs from the run's (other tokens, "
+                         f"under any file names); the run used {saved['data']['description']}")
     return loader
 
 
@@ -203,12 +246,13 @@ def _write_config(r: _Run, start: startup.Start, records: list[dict], procs: pro
         report.note_mesh_change(r.saved["settings"], s)
         if extension:
             report.note_extension(extension, s)
+    r.description = config
     try:
-        run.save_tokenizer(r.out, r.tokenizer)
-        run.write_json(run.config_path(r.out), config)
+        runs.save_tokenizer(r.out, r.tokenizer)
+        runs.write_json(runs.config_path(r.out), config)
         metrics.write_metrics(r.out / "metrics.jsonl", records)
     except OSError as e:
-        raise UsageError(f"cannot write in {r.out}: {e}") from None
+        raise runs.write_error(r.out, e) from None
     print(report.header(s, r.model_config, config, r.source, sum(r.loader.counts),
                         procs.count, resumed and resumed.step, r.out), flush=True)
 
@@ -224,6 +268,7 @@ def _loop(r: _Run, start: startup.Start, records: list[dict], args, procs: proce
     peak = peak_flops(jax.devices()[0], s.dtype)
     settings = loop.LoopConfig(
         steps=s.steps, stop_after=r.stop_after, save_every=s.save_every,
+        save_seconds=s.save_minutes * 60,
         eval_every=s.eval_every, accum=s.accum, profile=args.profile,
         flops_per_token=model.family_of(config).flops_per_token(config, s.seq),
         peak_flops=peak and peak * s.n_devices)
@@ -238,13 +283,16 @@ def _loop(r: _Run, start: startup.Start, records: list[dict], args, procs: proce
                 r.loader, settings, checkpointer=r.checkpointer, extras=start.extras,
                 # Checkpoints keep the single-device layout, whatever the mesh.
                 checkpoint_state=None if mesh is None else gather,
-                checkpoint_config=dataclasses.asdict(s), evals=evals,
+                checkpoint_config=r.description, evals=evals,
                 sinks=[metrics.MetricsFile(r.out / "metrics.jsonl"), bar, plot],
                 processes=procs, batch_sharding=batch_sharding(mesh), note=bar.write)
         if r.checkpointer is not None:
             r.checkpointer.wait()  # the last save's error, if any, is this command's
-    if procs.lead:
-        plot.draw()
+    if procs.lead and stop.error is None:
+        _after_steps(r, int(state.step), "drawing loss.png", plot.draw)
+    elif procs.lead and not isinstance(stop.error, loop.SideFailure):
+        with contextlib.suppress(Exception):  # the error under way is the one to tell
+            plot.draw()
     return state, stop
 
 
@@ -254,12 +302,16 @@ def _finish(r: _Run, state, stop: loop.Stop, sample_key, records: list[dict],
     s, last = r.s, int(state.step)
     if isinstance(stop.error, loop.NonFiniteError):
         raise UsageError(f"{stop.error}; a lower --lr or a longer --warmup may help")
+    if isinstance(stop.error, loop.SideFailure):
+        raise UsageError(f"{stop.error}; " + (f"continue with: train --resume --out {r.out}"
+                                              if stop.error.saved else
+                                              runs.where_it_stands(r.out)))
     if stop.error is not None:
         raise stop.error
     if last < s.steps:
         if procs.lead:
             print(f"stopped after step {last} of {s.steps}; checkpoint saved in "
-                  f"{run.checkpoint_dir(r.out)}. Continue with: train --resume --out {r.out}",
+                  f"{runs.checkpoint_dir(r.out)}. Continue with: train --resume --out {r.out}",
                   flush=True)
         return EXIT_INTERRUPTED if stop.reason == loop.SIGNAL else 0
     if procs.lead:
@@ -276,13 +328,28 @@ def _finish(r: _Run, state, stop: loop.Stop, sample_key, records: list[dict],
     if procs.lead:
         n = min(s.sample_tokens,
                 r.model_config.block_size - len(encode(tokenizer, SAMPLE_PROMPT)))
-        texts = generate_text(params, r.model_config, tokenizer, model_ops.get(s.ops), s.dtype,
-                              SAMPLE_PROMPT, key=sample_key, max_new_tokens=n,
-                              temperature=1.0, top_k=40, num_samples=2)
-        text = "".join(f"--- sample {i + 1} ---\n{t}\n" for i, t in enumerate(texts))
-        (r.out / "samples.txt").write_text(text)
-        print(text, end="")
+        _after_steps(r, last, "sampling", _sample, r, params, tokenizer, n, sample_key)
     return 0
+
+
+def _sample(r: _Run, params, tokenizer, n: int, sample_key):
+    """Two samples of n tokens after SAMPLE_PROMPT, printed and in samples.txt."""
+    texts = generate_text(params, r.model_config, tokenizer, model_ops.get(r.s.ops), r.s.dtype,
+                          SAMPLE_PROMPT, key=sample_key, max_new_tokens=n, temperature=1.0,
+                          top_k=40, num_samples=2)
+    text = "".join(f"--- sample {i + 1} ---\n{t}\n" for i, t in enumerate(texts))
+    (r.out / "samples.txt").write_text(text)
+    print(text, end="")
+
+
+def _after_steps(r: _Run, last: int, what: str, f, *args):
+    """f(*args), after the last step and its checkpoint: its failure, whatever it is, is one
+    line that says so and where the run stands."""
+    try:
+        return f(*args)
+    except Exception as e:
+        raise UsageError(f"{what} failed after step {last} ({loop.one_line(e)}); "
+                         f"{runs.where_it_stands(r.out)}") from None
 
 
 def _progress(args, procs: processes.Processes) -> bool:  # on the lead's terminal only

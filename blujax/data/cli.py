@@ -26,7 +26,7 @@ def _count(text: str) -> int:
     return int(value)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     import blujax.data  # its docstring is the command's description
     parser = argparse.ArgumentParser(prog="python -m blujax.data",
                                      description=blujax.data.__doc__,
@@ -68,7 +68,11 @@ def main(argv=None) -> int:
                    help=f"token ids must be below it (default: the vocabulary of the tokenizer "
                         f"that made the shards: their folder's {SIDECAR}, else GPT-2's for "
                         f"uint16 shards)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _run_command(args)
     except (DataError, ValueError, OSError, RuntimeError) as e:  # bad input, said plainly

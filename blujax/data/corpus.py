@@ -98,7 +98,8 @@ def tokenize_text(path: Path, *, paragraph_docs: bool = False, val_tokens: int |
     train = [f for f in result.files if in_split(f, "train")]
     val = [f for f in result.files if in_split(f, "val")]
     if not train:
-        raise TextError(f"{path}: only {result.tokens.get('val', 0)} tokens, all of them "
+        n = result.tokens.get("val", 0)
+        raise TextError(f"{path}: only {n} token{'s' * (n != 1)}, all of them "
                         f"needed for the validation split; give more text")
     return train, val
 

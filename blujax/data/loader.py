@@ -18,6 +18,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from blujax.data.errors import ShardError
 from blujax.data.shards import GPT2_VOCAB_SIZE, Shard, find_shards, read_header
 
 # Threads that check shards' tokens; more than a few only queue on the disk.
@@ -330,6 +331,26 @@ class _Producer:
                 shard.close()
 
 
+def content_fingerprint(paths, counts, samples: int = 16, size: int = 1 << 16) -> str:
+    """16 hex digits that name shards by their tokens, not their file names: each shard's token
+    count and `samples` evenly spaced stretches of `size` bytes of it (the first and the last
+    among them), so that reading it costs a few megabytes however large the data."""
+    h = hashlib.sha256()
+    for path, count in zip(paths, counts):
+        h.update(str(count).encode())
+        try:
+            with open(path, "rb") as f:
+                length = os.fstat(f.fileno()).st_size
+                starts = {(length - size) * i // (samples - 1)
+                          for i in range(samples)} if length > size else {0}
+                for start in sorted(starts):
+                    f.seek(start)
+                    h.update(f.read(size))
+        except OSError as e:
+            raise ShardError(f"{path}: cannot read shard: {e.strerror or e}") from None
+    return h.hexdigest()[:16]
+
+
 class DataLoader:
     """Batches of (inputs, targets) from llm.c token shards (uint16 or uint32, mixed as they
     come), prefetched by a background thread.
@@ -412,7 +433,9 @@ class DataLoader:
                                    tokens_per_batch, process_index * rows,
                                    (process_index + 1) * rows, seq_len, slots, drop_bytes,
                                    self.reuse_buffers, checks)
-        self._fingerprint = hashlib.sha256(json.dumps(
+        self._fingerprint = content_fingerprint(self.paths, self.counts)
+        # What loaders before content fingerprints recorded: names and counts.
+        self._name_fingerprint = hashlib.sha256(json.dumps(
             [[p.name, c] for p, c in zip(self.paths, self.counts)]).encode()).hexdigest()[:16]
         self._held = None
         self._error = None
@@ -472,13 +495,20 @@ class DataLoader:
                 "seq_len": self.seq_len, "shards": self._fingerprint,
                 "batches_per_epoch": self.batches_per_epoch}
 
+    def same_shards(self, fingerprint) -> bool:
+        """Whether a state()'s "shards" names these shards: the same tokens in the same order
+        (under any file names), or, as loaders recorded before, the same names and counts."""
+        return fingerprint in (self._fingerprint, self._name_fingerprint)
+
     def load_state(self, state: dict):
         """Continues from a state() of a loader over the same shards, seed and batch shape
         (with any number of processes)."""
         for key in ("seed", "shuffle", "batch_size", "seq_len", "shards"):
+            if key == "shards" and self.same_shards(state.get(key)):
+                continue
             if state.get(key) != self.state()[key]:
-                what = "the shard files (names or token counts)" if key == "shards" else key
-                raise ValueError(f"loader state does not match this loader: {what} differs "
+                what = "the shards' tokens differ" if key == "shards" else f"{key} differs"
+                raise ValueError(f"loader state does not match this loader: {what} "
                                  f"({state.get(key)!r} saved, {self.state()[key]!r} here), so "
                                  f"it would not continue the same order of batches")
         epoch, k = int(state["epoch"]), int(state["batch"])

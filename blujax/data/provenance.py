@@ -24,11 +24,21 @@ GPT2_IDENTITY = {"name": GPT2, "fingerprint": GPT2_FINGERPRINT, "vocab_size": GP
 
 
 def record_tokenizer(folder, tokenizer: Tokenizer) -> Path:
-    """Writes the folder's sidecar: its shards are `tokenizer`'s tokens."""
+    """Writes the folder's sidecar: its shards are `tokenizer`'s tokens (a folder that already
+    says so is left alone, so that reading a complete text cache writes nothing)."""
     path = Path(folder) / SIDECAR
+    try:
+        if read_sidecar(folder) == tokenizer.identity():
+            return path
+    except DataError:
+        pass  # unreadable: written again below
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(tokenizer.identity(), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(tokenizer.identity(), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {path}: {e.strerror or e}") from None
     return path
 
 

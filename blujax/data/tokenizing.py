@@ -181,7 +181,8 @@ def prepare(inputs: Sequence, out_dir, *, name: str | None = None,
     _remove_shards(out_dir, name, keep=records)  # beyond the last: an earlier, longer run's
     tokens = _count_splits(records)
     if val_tokens and not tokens.get("train"):
-        print(f"warning: all {tokens.get('val', 0)} tokens went to the validation split; "
+        n = tokens.get('val', 0)
+        print(f"warning: all {n} token{'s' * (n != 1)} went to the validation split; "
               f"lower val_tokens to leave some for training", file=sys.stderr)
     return PrepareResult(files, written, [f for f in files if f not in written], tokens)
 

@@ -122,8 +122,9 @@ inline bool SameDims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
 }
 
 // The buffer of an optional result, or null where the target has no such result (the checks
-// below take operands and results alike as buffers).
-inline const ffi::AnyBuffer* OptionalResult(const ffi::Result<ffi::AnyBuffer>* r) {
+// below take operands and results alike as buffers). Not a pointer to const: jaxlib 0.10's
+// Result has no const operator*.
+inline const ffi::AnyBuffer* OptionalResult(ffi::Result<ffi::AnyBuffer>* r) {
   return r ? &**r : nullptr;
 }
 
