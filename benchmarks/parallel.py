@@ -2,20 +2,27 @@
 
     python -m benchmarks.parallel [--model gpt2] [--seq 1024] [--batch 16] [--dtype bf16]
                                   [--runs 1,dp2,tp2,cp2,dp2:zero,tp2:cm,dp2:rb] [--steps 10]
-                                  [--xla-flags FLAGS] [--label NAME] [--json PATH]
-                                  [--profile DIR]
+                                  [--remat none|selective|full] [--xla-flags FLAGS]
+                                  [--label NAME] [--json PATH] [--profile DIR]
     python -m benchmarks.parallel --report PATH     # the table of rows saved with --json
 
-A run is the mesh's sizes (dp2, tp2, cp2, dp2tp2, ...; "1" is the single-device step,
-train.make_train_step) and options after colons:
+Fully sharded data parallelism on one 8-GPU host (one command each; a run of a model that
+does not fit one GPU has no "1" run to compare with, so its efficiency is left out):
+    python -m benchmarks.parallel --model llama-1b --seq 2048 --batch 8 \
+        --runs 1,fsdp8,fsdp4tp2,dp8:zero --profile fsdp-1b
+    python -m benchmarks.parallel --model llama-8b --seq 8192 --batch 1 --remat selective \
+        --runs fsdp8,fsdp4tp2 --profile fsdp-8b
+
+A run is the mesh's sizes (dp2, fsdp8, tp2, cp2, fsdp4tp2, ...; "1" is the single-device
+step, train.make_train_step) and options after colons:
     zero   the optimizer state sharded over "data" (ZeRO-1)
     cm     collective matmul: the tensor-parallel all-gathers / reduce-scatters as ppermute
            rings overlapping slices of their matrix products
     rb     each layer's gradient reduced inside the backward (overlapping it), not after it
     plain  (with "1" only) the model on plain XLA ops with XLA's own attention, which
            materialises the [B, H, T, T] scores: the way that does not fit at long T
---batch is the batch of one data-parallel rank: a run with dp data ranks trains dp x batch
-sequences per step; tensor and context ranks share theirs. Each run is compiled, warmed up
+--batch is the batch of one data-parallel rank: a run with dp x fsdp data ranks trains
+dp x fsdp x batch sequences per step; tensor and context ranks share theirs. Each run is compiled, warmed up
 twice and timed step by step (--steps, median). Reported: tokens/s over the whole mesh, per
 GPU, and the scaling efficiency = tokens/s / (GPUs x the "1" run's tokens/s at the same
 per-rank batch); the step program's memory per GPU (XLA's memory analysis: arguments + outputs
@@ -48,43 +55,24 @@ from pathlib import Path
 
 import jax
 
+from benchmarks import meshes
+from benchmarks.meshes import Run
 from benchmarks.train import (PROFILE_STEPS, kernel_time_summary, program_bytes, time_steps,
                               trace_steps)
 from blujax import model, sharding, train
 from blujax.model import ops as model_ops
+from blujax.model.stack import REMAT
 
 OPTIONS = ("zero", "cm", "rb", "plain")
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    name: str
-    dp: int = 1
-    tp: int = 1
-    cp: int = 1
-    options: frozenset = frozenset()
-    single: bool = False  # train.make_train_step, no mesh
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.cp
-
-
 def parse_run(text: str) -> Run:
-    name, *opts = text.strip().split(":")
-    bad = set(opts) - set(OPTIONS)
-    if bad:
-        raise ValueError(f"run {text!r}: unknown options {sorted(bad)}; known: {OPTIONS}")
-    if name == "1":
-        if set(opts) - {"plain"}:
-            raise ValueError(f"run {text!r}: the single-device step takes only 'plain'")
-        return Run(text, options=frozenset(opts), single=True)
-    if "plain" in opts:
+    run = meshes.parse_run(text, OPTIONS)
+    if run.single and run.options - {"plain"}:
+        raise ValueError(f"run {text!r}: the single-device step takes only 'plain'")
+    if not run.single and "plain" in run.options:
         raise ValueError(f"run {text!r}: 'plain' is for the single-device step ('1:plain')")
-    sizes = dict(re.findall(r"(dp|tp|cp)(\d+)", name))
-    if not sizes or "".join(f"{k}{v}" for k, v in re.findall(r"(dp|tp|cp)(\d+)", name)) != name:
-        raise ValueError(f"run {text!r}: expected '1' or sizes like dp2, tp2cp2")
-    return Run(text, **{k: int(v) for k, v in sizes.items()}, options=frozenset(opts))
+    return run
 
 
 def _plain_ops():
@@ -98,11 +86,12 @@ def _plain_ops():
                                     "attention_qkv": attention_qkv})
 
 
-def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_dir=None):
-    tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype)
+def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_dir=None,
+            remat="none"):
+    tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat)
     ops = _plain_ops() if "plain" in run.options else model_ops.get(ops_name)
     key = jax.random.key(0)
-    global_batch = batch * run.dp
+    global_batch = batch * run.ranks
     tokens = jax.random.randint(jax.random.key(1), (1, global_batch, seq + 1), 0,
                                 config.vocab_size)
     x, y = tokens[..., :-1], tokens[..., 1:]
@@ -110,7 +99,8 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
         state = train.init_state(config, tcfg, key, ops)
         step = train.make_train_step(config, tcfg, ops)
     else:
-        mesh = sharding.make_mesh(run.dp, run.tp, run.cp, devices=jax.devices()[:run.gpus])
+        mesh = sharding.make_mesh(run.dp, run.tp, run.cp, devices=jax.devices()[:run.devices],
+                                  fsdp=run.fsdp)
         zero = "zero" in run.options
         state = train.init_state(config, tcfg, key, ops, mesh, shard_optimizer=zero)
         step = train.make_train_step(
@@ -121,7 +111,7 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
     compiled = step.lower(state, x, y).compile()
     compile_s = time.perf_counter() - t0
     mem = program_bytes(compiled)
-    row = {"run": run.name, "gpus": run.gpus, "dtype": dtype, "batch": global_batch,
+    row = {"run": run.name, "gpus": run.devices, "dtype": dtype, "batch": global_batch,
            "seq": seq, "program_gb": mem / 1e9 if mem is not None else None,
            "compile_s": compile_s}
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -137,7 +127,7 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
         trace = trace_steps(compiled, state, x, y, out)
         if trace:
             row.update(overlap_summary(trace, steps=PROFILE_STEPS))
-            summary = kernel_time_summary(trace, steps=PROFILE_STEPS * run.gpus, top=15)
+            summary = kernel_time_summary(trace, steps=PROFILE_STEPS * run.devices, top=15)
             print(f"{run.name}: {summary.replace('per step', 'per step and GPU')}", flush=True)
     del state, compiled, step
     gc.collect()
@@ -206,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="1,dp2,tp2,cp2",
                    help="comma-separated runs (see above; default 1,dp2,tp2,cp2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
+    p.add_argument("--remat", default="none", choices=REMAT,
+                   help="what the backward recomputes (blujax.model.stack; default none)")
     p.add_argument("--xla-flags", default="", help="XLA flags added for this process's runs")
     p.add_argument("--label", help="a tag written into every row (default: --xla-flags)")
     p.add_argument("--json", metavar="PATH", help="also append the rows as JSON lines")
@@ -234,10 +226,11 @@ def main(argv=None) -> int:
     rows = []
     for run in runs:
         try:
-            row = run_one(run, config, a.seq, a.batch, a.dtype, a.steps, a.ops, a.profile)
+            row = run_one(run, config, a.seq, a.batch, a.dtype, a.steps, a.ops, a.profile,
+                          a.remat)
         except Exception as e:  # out of memory, say: record it, go on
-            row = {"run": run.name, "gpus": run.gpus, "dtype": a.dtype, "seq": a.seq,
-                   "batch": a.batch * run.dp, "error": str(e).splitlines()[0][:160]}
+            row = {"run": run.name, "gpus": run.devices, "dtype": a.dtype, "seq": a.seq,
+                   "batch": a.batch * run.ranks, "error": str(e).splitlines()[0][:160]}
         row["label"] = label
         row["model"] = a.model
         rows.append(row)
@@ -265,8 +258,7 @@ def table(rows) -> str:
             lines.append(f"| {r['run']} | {r['gpus']} | {shape} | failed: {r['error']} | | | "
                          f"| {gb} | {r['label']} |")
             continue
-        dp = int((re.search(r"dp(\d+)", r["run"]) or [0, 1])[1])
-        base = one.get(key(r, r["batch"] // dp))
+        base = one.get(key(r, r["batch"] // parse_run(r["run"]).ranks))
         eff = ""
         if base is not None and not r["run"].startswith("1"):
             eff = f"{r['tokens_per_s'] / (r['gpus'] * base['tokens_per_s']):.1%}"

@@ -29,6 +29,7 @@ import jax
 
 from blujax import model, train
 from blujax.model import ops as model_ops
+from blujax.model.stack import REMAT
 
 
 def program_bytes(compiled) -> int | None:
@@ -40,7 +41,7 @@ def program_bytes(compiled) -> int | None:
         return None
 
 
-def run_one(config, seq, batch, ops_name, dtype, steps, remat=False, profile_dir=None,
+def run_one(config, seq, batch, ops_name, dtype, steps, remat="none", profile_dir=None,
             scan_layers=None):
     tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat,
                              scan_layers=scan_layers)
@@ -165,7 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="ffi,xla", help="ops namespaces to compare: ffi, xla")
     p.add_argument("--dtype", default="bf16,f32", help="compute dtypes: bf16, f32")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    p.add_argument("--remat", action="store_true", help="recompute block activations")
+    p.add_argument("--remat", default="none", choices=REMAT,
+                   help="what the backward recomputes: none, selective (norms and "
+                        "activations) or full (each block) (default none)")
     p.add_argument("--scan-layers", default="auto", choices=("auto", "on", "off"),
                    help="run the blocks under lax.scan (on), as a Python loop (off), or as "
                         "gpt2.forward picks: a loop on GPUs (auto, the default)")

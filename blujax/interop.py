@@ -334,11 +334,12 @@ def export_hf(params, config, directory: str | os.PathLike, *,
     unpadded vocabulary: config.json and model.safetensors (float32, save_pretrained's names).
 
     tokenizer: the model's (blujax.data.Tokenizer): a Hugging Face tokenizer's files are copied
-    alongside, and config.json names its bos and eos tokens. GPT-2's (or True, with a
-    vocabulary of GPT-2's size) writes GPT-2's files (vocab.json, merges.txt,
-    tokenizer_config.json, special_tokens_map.json) where tiktoken's cache holds them
-    (`gpt2_tokenizer_files`); otherwise they are skipped with a log note (logger
-    blujax.interop, INFO), never an error. None or False: no tokenizer files.
+    alongside, and config.json names its bos and eos tokens. GPT-2's (for a vocabulary of
+    GPT-2's size or larger, such as llama-8b's trained here; True: of GPT-2's size only)
+    writes GPT-2's files (vocab.json, merges.txt, tokenizer_config.json,
+    special_tokens_map.json) where tiktoken's cache holds them (`gpt2_tokenizer_files`);
+    otherwise they are skipped with a log note (logger blujax.interop, INFO), never an error.
+    None or False: no tokenizer files.
 
     directory: a new folder, or one holding an earlier export, which this one replaces (the
     export's files, HF_EXPORT_FILES, that it does not write again are removed). A folder that
@@ -355,6 +356,8 @@ def export_hf(params, config, directory: str | os.PathLike, *,
         hf = model.hf_config(config)
         if isinstance(tokenizer, Tokenizer) and not tokenizer.is_gpt2:
             hf.update(bos_token_id=tokenizer.doc_token, eos_token_id=tokenizer.stop_tokens[0])
+        elif _gpt2_beyond(tokenizer, config):
+            hf.update(vocab.special_tokens(vocab.GPT2_VOCAB_SIZE))
         tensors = model.to_hf(params, config)
     except ValueError as e:
         raise InteropError(f"cannot export to {folder}: {e}") from None
@@ -375,7 +378,7 @@ def export_hf(params, config, directory: str | os.PathLike, *,
                 log.info("%s: wrote the tokenizer of %s (%s)", folder, tokenizer.name,
                          ", ".join(written))
             elif tokenizer:
-                _export_tokenizer(tmp, config, folder)
+                _export_tokenizer(tmp, config, folder, _gpt2_beyond(tokenizer, config))
             _commit_folder(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -402,9 +405,19 @@ def gpt2_tokenizer_files() -> dict[str, Path] | None:
     return found
 
 
-def _export_tokenizer(into: Path, config, folder: Path) -> list[str]:
-    """GPT-2's tokenizer files into `into`, on their way to `folder` (named in the log)."""
-    if config.vocab_size != vocab.GPT2_VOCAB_SIZE:
+def _gpt2_beyond(tokenizer, config) -> bool:
+    """Whether the model speaks GPT-2's tokenizer (given as the model's) in a vocabulary larger
+    than GPT-2's: a preset of a pretrained model's vocabulary trained here from scratch
+    (llama-8b's 128256), whose export needs GPT-2's files and end-of-text all the same."""
+    return (isinstance(tokenizer, Tokenizer) and tokenizer.is_gpt2
+            and config.vocab_size > vocab.GPT2_VOCAB_SIZE)
+
+
+def _export_tokenizer(into: Path, config, folder: Path, beyond: bool = False) -> list[str]:
+    """GPT-2's tokenizer files into `into`, on their way to `folder` (named in the log): for
+    GPT-2's vocabulary, or (beyond: _gpt2_beyond) a larger one that the model's GPT-2
+    tokenizer fills the start of."""
+    if config.vocab_size != vocab.GPT2_VOCAB_SIZE and not beyond:
         log.info("%s: no tokenizer files written: the vocabulary (%d) is not GPT-2's", folder,
                  config.vocab_size)
         return []

@@ -1,5 +1,5 @@
 """Training a model: the loss, the optimizer and its schedule, and the one jitted train step,
-on one device or over a ("data", "tensor", "context") mesh.
+on one device or over a ("data", "fsdp", "tensor", "context") mesh.
 
     tcfg = TrainConfig(steps=1000, warmup_steps=100, dtype="bf16")
     state = init_state(config, tcfg, jax.random.key(0))          # config: any model family's
@@ -9,6 +9,7 @@ on one device or over a ("data", "tensor", "context") mesh.
     mesh = sharding.make_mesh(data=2, tensor=2, context=2)       # the same, over 8 devices
     state = init_state(config, tcfg, key, mesh=mesh, shard_optimizer=True)
     step = make_train_step(config, tcfg, mesh=mesh, shard_optimizer=True)
+    mesh = sharding.make_mesh(tensor=2, fsdp=4)                  # parameters split over 4
 
 The step is one `jax.jit` program: forward and backward of every micro-batch (a `lax.scan`
 summing float32 gradients), global-norm clipping (none for grad_clip 0), AdamW with a warmup +
@@ -41,9 +42,10 @@ from jax.sharding import PartitionSpec as P
 from blujax import kernels, optim
 from blujax.model import family_of
 from blujax.model.family import ONE_DEVICE
-from blujax.sharding.layout import Layout, state_shardings
-from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, mesh_sizes
-from blujax.sharding.parallel import Parallel, vary
+from blujax.model.stack import remat_mode
+from blujax.sharding.layout import Layout, fsdp_axes_of, state_shardings
+from blujax.sharding.mesh import BATCH_AXES, CONTEXT, FSDP, TENSOR, check_batch, mesh_sizes
+from blujax.sharding.parallel import Parallel, fsdp_dims, vary
 from blujax.sharding.ring import zigzag
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -62,13 +64,19 @@ class TrainConfig:
     grad_clip: float = 1.0
     accum_steps: int = 1
     dtype: str = "bf16"
-    remat: bool = False
+    # What the backward recomputes: "none", "selective" (the norms and activations, keeping
+    # the matrix products' and attention's outputs) or "full" (each block); True is "full".
+    remat: str = "none"
     scan_layers: bool | None = None  # see gpt2.forward; None: a loop on GPUs, a scan elsewhere
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainConfig.dtype must be one of {', '.join(DTYPES)}, got "
                              f"{self.dtype!r}")
+        try:
+            object.__setattr__(self, "remat", remat_mode(self.remat))
+        except ValueError as e:
+            raise ValueError(f"TrainConfig.{e}") from None
         # Every number checked here, once: a NaN, an inf or a sign slip otherwise trains on
         # quietly (a negative grad_clip reverses every step, lr = inf makes NaN params).
         # warmup_steps may exceed steps: the warmup then never finishes, a well-defined ramp.
@@ -241,10 +249,10 @@ def local_copy(tree, mesh):
 
 
 def batch_sharding(mesh) -> NamedSharding | None:
-    """How a global batch [accum_steps, B, T] is best placed: B over "data" (None: one
+    """How a global batch [accum_steps, B, T] is best placed: B over "data" x "fsdp" (None: one
     device). (On several hosts, where each process holds the whole batch, build it with
     jax.make_array_from_callback(shape, batch_sharding(mesh), lambda index: batch[index]).)"""
-    return None if mesh is None else NamedSharding(mesh, P(None, DATA))
+    return None if mesh is None else NamedSharding(mesh, P(None, BATCH_AXES))
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,18 +269,28 @@ class _Device(NamedTuple):
     sizes: dict              # mesh axis sizes ({} on one device)
     reduce_in_backward: bool
 
-    def psum(self, x, axes=(DATA, CONTEXT)):
+    def psum(self, x, axes=(*BATCH_AXES, CONTEXT)):
         return jax.lax.psum(x, axes) if self.sizes else x
 
+    @property
+    def token_shards(self) -> int:
+        """Devices over which one step's tokens split (the batch and the sequence)."""
+        return math.prod(self.sizes.get(a, 1) for a in (*BATCH_AXES, CONTEXT))
 
-def _device(config, mesh, collective_matmul=False, reduce_in_backward=False) -> _Device:
+
+def _device(config, mesh, collective_matmul=False, reduce_in_backward=False,
+            keep_gathered=False) -> _Device:
     if mesh is None:
         return _Device(ONE_DEVICE, {}, False)
     sizes = mesh_sizes(mesh)
-    family_of(config).check_mesh(config, sizes)
+    family = family_of(config)
+    family.check_mesh(config, sizes)
+    axes = family.logical_axes(config)
+    params = jax.eval_shape(lambda k: family.init(config, k), jax.random.key(0))
+    dims = fsdp_dims(params, fsdp_axes_of(axes, jax.tree.structure(params), sizes[FSDP]))
     return _Device(Parallel(sizes[TENSOR], sizes[CONTEXT], collective_matmul,
-                            reduce_in_backward, whole_axes(config, sizes)), sizes,
-                   reduce_in_backward)
+                            reduce_in_backward, whole_axes(config, sizes), dims, keep_gathered),
+                   sizes, reduce_in_backward)
 
 
 def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, dev, n_tokens,
@@ -306,7 +324,7 @@ def _accumulate(loss, params, inputs, targets, dev: _Device):
 
     zero = jnp.zeros([], jnp.float32)
     if dev.sizes:
-        zero = vary(zero, (DATA, CONTEXT))
+        zero = vary(zero, (*BATCH_AXES, CONTEXT))
     (value, grads), _ = jax.lax.scan(micro, (zero, jax.tree.map(jnp.zeros_like, params)),
                                      (inputs, targets))
     n = inputs.shape[0]
@@ -329,15 +347,19 @@ def _sharded(f, mesh, dev, in_specs, out_specs):
 
 def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
                     shard_optimizer: bool = False, collective_matmul: bool = False,
-                    reduce_in_backward: bool = False):
+                    reduce_in_backward: bool = False, keep_gathered: bool = False):
     """step(state, inputs, targets) -> (state, metrics), jitted, the state donated.
 
     config: any registered model family's config. inputs, targets: int32 [accum_steps, B, T]
-    (global arrays on a mesh; B divisible by "data", T by 2 x "context" when "context" > 1
-    and T / "context" by "tensor"). mesh: None for one device, else a sharding.make_mesh mesh,
-    the state from init_state / place_state on it with the same shard_optimizer (ZeRO-1:
-    AdamW's moments and update split over "data": the gradients reduce-scattered there and the
-    new params all-gathered).
+    (global arrays on a mesh; B divisible by "data" x "fsdp", T by 2 x "context" when
+    "context" > 1 and T / "context" by "tensor"). mesh: None for one device, else a
+    sharding.make_mesh mesh, the state from init_state / place_state on it with the same
+    shard_optimizer (ZeRO-1: AdamW's moments and update split over "data": the gradients
+    reduce-scattered there and the new params all-gathered). Over "fsdp" the params, their
+    gradients and AdamW's moments are split whatever shard_optimizer says (ZeRO-3); each layer
+    gathers its weights where it runs. With tcfg.remat "selective" or "full" the backward
+    gathers them again, unless keep_gathered (which keeps every layer's gathered weights, in
+    the compute dtype, for one gather a layer less); with "none" it keeps them.
 
     metrics: float32 scalars loss (mean over the micro-batches), grad_norm (before clipping,
     over the whole gradient), lr (of this step) and skipped (1.0 where the loss or grad_norm
@@ -353,15 +375,14 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
     with accum_steps > 1 that is one reduction per micro-batch instead of one per step.
     """
     family = family_of(config)
-    dev = _device(config, mesh, collective_matmul, reduce_in_backward)
+    dev = _device(config, mesh, collective_matmul, reduce_in_backward, keep_gathered)
     optimizer = make_optimizer(tcfg, ops, family.decay_mask)
     lr_at = schedule(tcfg)
     loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
                    remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev)
 
     def body(layout, state, inputs, targets):
-        n_tokens = inputs.shape[1] * inputs.shape[2] * math.prod(
-            dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        n_tokens = inputs.shape[1] * inputs.shape[2] * dev.token_shards
         value, grads = _accumulate(partial(loss, n_tokens=n_tokens), state.params, inputs,
                                    targets, dev)
         grads = layout.reduce(grads, reduced=dev.reduce_in_backward)
@@ -397,16 +418,16 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
 
 
 def make_value_and_grad(config, ops=kernels, mesh=None, *, dtype=jnp.float32,
-                        remat: bool = False, collective_matmul: bool = False,
-                        reduce_in_backward: bool = False):
+                        remat=False, collective_matmul: bool = False,
+                        reduce_in_backward: bool = False, keep_gathered: bool = False):
     """f(params, inputs, targets) -> (mean loss, grads), jitted, for int32 [B, T] batches:
     the train step's loss and gradient (on a mesh, the params placed by place_state's layout
     and the grads in it). The options as make_train_step's."""
-    dev = _device(config, mesh, collective_matmul, reduce_in_backward)
+    dev = _device(config, mesh, collective_matmul, reduce_in_backward, keep_gathered)
     loss = partial(_local_loss, config=config, ops=ops, dtype=dtype, remat=remat, dev=dev)
 
     def body(layout, params, inputs, targets):
-        n_tokens = inputs.size * math.prod(dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        n_tokens = inputs.size * dev.token_shards
         value, grads = _accumulate(partial(loss, n_tokens=n_tokens), params, inputs[None],
                                    targets[None], dev)
         grads = layout.reduce(grads, reduced=dev.reduce_in_backward)
@@ -434,7 +455,7 @@ def make_eval_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
                    dev=dev)
 
     def body(params, inputs, targets):
-        n_tokens = inputs.size * math.prod(dev.sizes.get(a, 1) for a in (DATA, CONTEXT))
+        n_tokens = inputs.size * dev.token_shards
         return dev.psum(loss(params, inputs, targets, n_tokens=n_tokens))
 
     def f(params, inputs, targets):
@@ -473,8 +494,8 @@ def whole_axes(config, sizes: dict[str, int]) -> tuple[str, ...]:
 
 # A batch [B, T]: sequences over "data", each sequence (zig-zag ordered) over "context"; the
 # train step's [accum_steps, B, T].
-_BATCH = P(DATA, CONTEXT)
-_MICRO_BATCHES = P(None, DATA, CONTEXT)
+_BATCH = P(BATCH_AXES, CONTEXT)
+_MICRO_BATCHES = P(None, BATCH_AXES, CONTEXT)
 
 
 def finite_step(loss, grad_norm):

@@ -9,6 +9,11 @@ without installing transformers.
     python scripts/make_fixtures.py --family qwen2 --out tests/fixtures/hf_qwen2_tiny
         # a small random Qwen2ForCausalLM: biases on q, k and v, a RoPE theta that is neither
         # transformers' nor our default, a tied head
+    python scripts/make_fixtures.py --family llama3 --out tests/fixtures/hf_llama3_tiny
+        # a small random LlamaForCausalLM as Meta publishes Llama 3.1 8B: config.json of the
+        # same keys (rope_theta, rope_scaling of rope_type llama3, torch_dtype), bfloat16
+        # weights split over safetensors shards with model.safetensors.index.json; logits and
+        # loss computed in float32 from the saved bfloat16 weights
     python scripts/make_fixtures.py --family llama-bpe --corpus tinyshakespeare.txt \
             --out tests/fixtures/hf_llama_bpe
         # a small random LlamaForCausalLM that speaks its own tokenizer: a byte-level BPE of
@@ -30,6 +35,7 @@ a parameter mapped to the wrong place shows in the logits.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import sys
@@ -50,6 +56,29 @@ LLAMA_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num
                                   "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 16},
                     bos_token_id=999, eos_token_id=999)
+# Llama 3: Meta's theta and rope scaling but the original length (16) below the positions used
+# (32), so that the scaled frequencies matter; an eos list (as Meta's Instruct models have).
+LLAMA3_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=384,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     tie_word_embeddings=False,
+                     rope_scaling={"factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16,
+                                   "rope_type": "llama3"},
+                     bos_token_id=997, eos_token_id=[998, 999])
+# The keys of meta-llama/Llama-3.1-8B's config.json (transformers 4.43), which the fixture's
+# config.json has, no more: transformers 5 writes rope_parameters and dtype instead of
+# rope_theta, rope_scaling and torch_dtype, and head_dim, pad_token_id besides.
+META_KEYS = ("architectures", "attention_bias", "attention_dropout", "bos_token_id",
+             "eos_token_id", "hidden_act", "hidden_size", "initializer_range",
+             "intermediate_size", "max_position_embeddings", "mlp_bias", "model_type",
+             "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "pretraining_tp",
+             "rms_norm_eps", "rope_scaling", "rope_theta", "tie_word_embeddings", "torch_dtype",
+             "transformers_version", "use_cache", "vocab_size")
+# Shards of at most this much (save_pretrained's max_shard_size): the bfloat16 weights (1.3 MB)
+# in several files, as Meta's 16 GB are in four.
+LLAMA3_SHARD = "200KB"
 # Qwen2: theta 50000 (transformers' default is 1e4, ours 1e6: a config read wrong shows).
 QWEN2_CONFIG = dict(vocab_size=1000, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
@@ -151,7 +180,7 @@ def make_bpe(out: Path, corpus: Path) -> None:
         "",
         "A small random transformers `LlamaForCausalLM` that speaks its own tokenizer, for the",
         "tokenizer tests. Made by `python scripts/make_fixtures.py --family llama-bpe --corpus",
-        f"tinyshakespeare.txt --out {out.as_posix()}` with",
+        f"tinyshakespeare.txt --out tests/fixtures/{out.name}` with",
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
         f"- tokenizer.json, tokenizer_config.json: a byte-level BPE of {BPE_VOCAB} tokens",
@@ -208,7 +237,8 @@ def make(out: Path, family: str = "gpt2") -> None:
         f"A small random transformers `{type(model).__name__}` (`save_pretrained`, safetensors) "
         "and what",
         "transformers computes with it, for the interop tests. Made by",
-        f"`python scripts/make_fixtures.py --family {family} --out {out.as_posix()}` with",
+        f"`python scripts/make_fixtures.py --family {family} --out "
+        f"tests/fixtures/{out.name}` with",
         ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
         f"- config: `{json.dumps(config_dict)}`",
@@ -221,6 +251,87 @@ def make(out: Path, family: str = "gpt2") -> None:
     (out / "README.md").write_text("\n".join(readme) + "\n", encoding="utf-8")
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e3:.0f} kB): loss {float(loss):.6f}; {versions}")
+
+
+def _meta_config(written: dict) -> dict:
+    """config.json as Meta's Llama 3.1 has it (META_KEYS) from what save_pretrained wrote:
+    rope_theta and rope_scaling from transformers 5's rope_parameters, torch_dtype from its
+    dtype."""
+    rope = dict(written.get("rope_parameters") or
+                {**(written.get("rope_scaling") or {}), "rope_theta": written["rope_theta"]})
+    meta = {k: v for k, v in written.items() if k in META_KEYS}
+    meta["rope_theta"] = float(rope.pop("rope_theta"))
+    meta["rope_scaling"] = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings",
+                                                 "rope_type")}
+    meta["torch_dtype"] = written.get("dtype", written.get("torch_dtype"))
+    missing = [k for k in META_KEYS if k not in meta]
+    assert not missing, f"save_pretrained wrote no {missing}"
+    return dict(sorted(meta.items()))
+
+
+def make_llama3(out: Path) -> None:
+    """A LlamaForCausalLM as Meta publishes Llama 3.1 (see the module's docstring)."""
+    torch, transformers = _import_torch()
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    config_dict = copy.deepcopy(LLAMA3_CONFIG)  # transformers rewrites rope_scaling in place
+    config = transformers.LlamaConfig(**config_dict, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    _randomize(torch, model)
+    model = model.to(torch.bfloat16)  # Meta's weights are bfloat16
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=LLAMA3_SHARD)
+    (out / "generation_config.json").unlink(missing_ok=True)  # not used: keep the folder small
+    index = json.loads((out / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (out / "model.safetensors").exists(), shards
+    written = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    meta = _meta_config(written)
+    assert meta["torch_dtype"] == "bfloat16", meta["torch_dtype"]
+    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    # The reference: the saved bfloat16 weights read back (through the Meta-style config.json)
+    # as float32, and computed in float32. Every weight must come back as saved.
+    ref = transformers.LlamaForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager").eval()
+    saved = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, saved[name].float()), name
+    tokens = np.random.default_rng(SEED).integers(0, config_dict["vocab_size"], TOKENS_SHAPE)
+    with torch.no_grad():
+        t = torch.from_numpy(tokens)
+        logits = ref(t).logits.float().numpy()
+        loss = np.float32(ref(t, labels=t).loss.item())
+    np.savez(out / "expected.npz", tokens=tokens.astype(np.int32), logits=logits, loss=loss)
+    versions = _versions(torch, transformers)
+    logits_shape = [*TOKENS_SHAPE, config_dict["vocab_size"]]
+    readme = [
+        f"# {out.name}",
+        "",
+        "A small random transformers `LlamaForCausalLM` as Meta publishes Llama 3.1 8B, and what",
+        "transformers computes with it, for the interop tests. Made by",
+        f"`python scripts/make_fixtures.py --family llama3 --out "
+        f"tests/fixtures/{out.name}` with",
+        ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        f"- config: `{json.dumps(LLAMA3_CONFIG)}`",
+        f"  (eager attention, seed {SEED}; every parameter re-drawn to be non-trivial)",
+        "- config.json: the keys of meta-llama/Llama-3.1-8B's, no more (rope_theta, rope_scaling",
+        "  and torch_dtype, where transformers 5 writes rope_parameters and dtype)",
+        f"- model-*.safetensors: the weights in bfloat16, `save_pretrained(max_shard_size="
+        f"\"{LLAMA3_SHARD}\")`",
+        f"  ({len(shards)} shards, listed in model.safetensors.index.json)",
+        f"- expected.npz: `tokens` int32 {list(TOKENS_SHAPE)} (numpy default_rng({SEED})),",
+        f"  `logits` float32 {logits_shape} (`model(tokens).logits`), `loss` float32",
+        "  (`model(tokens, labels=tokens).loss`: the mean next-token cross-entropy over",
+        f"  {TOKENS_SHAPE[0]} x {TOKENS_SHAPE[1] - 1} predictions), of the folder's bfloat16",
+        "  weights loaded back as float32 (`from_pretrained(dtype=torch.float32)`) and computed",
+        "  in float32",
+    ]
+    (out / "README.md").write_text("\n".join(readme) + "\n", encoding="utf-8")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e3:.0f} kB, {len(shards)} shards): loss {float(loss):.6f}; "
+          f"{versions}")
 
 
 def check_export(folder: Path, expected: Path, atol: float) -> int:
@@ -251,8 +362,10 @@ def check_export(folder: Path, expected: Path, atol: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=("gpt2", "llama", "qwen2", "llama-bpe"), default="gpt2",
-                   help="the model family of the fixture; llama-bpe: a Llama with its own "
+    p.add_argument("--family", choices=("gpt2", "llama", "qwen2", "llama3", "llama-bpe"),
+                   default="gpt2",
+                   help="the model family of the fixture; llama3: a Llama as Meta publishes "
+                        "Llama 3.1 (bfloat16 shards); llama-bpe: a Llama with its own "
                         "tokenizer, trained on --corpus (default: %(default)s)")
     p.add_argument("--corpus", type=Path, metavar="FILE",
                    help="with --family llama-bpe: the text its tokenizer is trained on")
@@ -273,6 +386,9 @@ def main(argv=None) -> int:
         if not args.corpus:
             p.error("--family llama-bpe needs --corpus FILE (tinyshakespeare.txt)")
         make_bpe(args.out or Path("tests/fixtures/hf_llama_bpe"), args.corpus)
+        return 0
+    if args.family == "llama3":
+        make_llama3(args.out or Path("tests/fixtures/hf_llama3_tiny"))
         return 0
     make(args.out or Path(f"tests/fixtures/hf_{args.family}_tiny"), args.family)
     return 0

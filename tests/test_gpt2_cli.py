@@ -242,12 +242,14 @@ needs_8_devices = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 dev
 @needs_8_devices
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "2"], "n_head (1) must be divisible by the tensor axis (2): each device holds "
-                    "whole attention heads (--dp 1, --tp 2, --cp 1;"),
-    (["--batch", "4", "--dp", "3"], "the batch size (4) must be divisible by the data axis (3)"),
+                    "whole attention heads (--dp 1, --fsdp 1, --tp 2, --cp 1;"),
+    (["--batch", "4", "--dp", "3"], "the batch size (4) must be divisible by data x fsdp (3 x 1 = 3)"),
     (["--batch", "8", "--accum", "2", "--dp", "8"], "the batch size (4) must be divisible by "
-                                                    "the data axis (8) (--dp 8, --tp 1, --cp 1; "
+                                                    "data x fsdp (8 x 1 = 8): both split the "
+                                                    "batch (--dp 8, --fsdp 1, --tp 1, --cp 1; "
                                                     "micro-batches of 4 x --seq 32 tokens"),
     (["--cp", "3"], "the sequence length (32) must be divisible by 2 x context = 6"),
+    (["--fsdp", "3", "--batch", "6"], "n_embd (64) must be divisible by the fsdp axis (3)"),
 ])
 def test_meshes_that_do_not_split_exit_2_before_compiling(argv, message, tmp_path, capsys):
     status, _, err = _run(capsys, "train", *TINY_MODEL, *argv, "--out", tmp_path / "run")
@@ -277,9 +279,9 @@ def test_parallel_run_matches_one_device_and_resumes_on_another_mesh(corpus, tmp
 
     # The run's mesh, unless given: dp 4 x tp 2 x cp 2 needs 16 devices.
     status, _, err = _run(capsys, "train", "--resume", "--out", par, "--dp", 4)
-    _assert_usage_error(status, err, "data 4 x tensor 2 x context 2 = 16 devices, but JAX has "
-                                     "8")
-    assert "(--dp 4, --tp 2, --cp 2)" in err
+    _assert_usage_error(status, err, "data 4 x fsdp 1 x tensor 2 x context 2 = 16 "
+                                     "devices, but JAX has 8")
+    assert "(--dp 4, --fsdp 1, --tp 2, --cp 2)" in err
     status, stdout, _ = _run(capsys, "train", "--resume", "--out", par, "--dp", 4, "--tp", 1,
                              "--cp", 1, "--no-progress")
     assert status == 0 and "resuming after step 2" in stdout

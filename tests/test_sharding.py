@@ -276,7 +276,7 @@ def test_bad_meshes_and_batches_raise():
     state = train.place_state(train.init_state(CONFIG, tcfg, jax.random.key(0)), CONFIG, mesh)
     step = train.make_train_step(CONFIG, tcfg, mesh=mesh)
     for shape, match in [((1, 8, 34), r"divisible by 2 x context = 4"),
-                         ((1, 3, 32), r"batch size \(3\) must be divisible by the data axis"),
+                         ((1, 3, 32), r"batch size \(3\) must be divisible by data x fsdp"),
                          ((2, 8, 32), r"accum_steps")]:
         with pytest.raises(ValueError, match=match):
             step(state, _tokens(0, shape), _tokens(1, shape))

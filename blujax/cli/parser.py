@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from blujax import evaluate, interop, model, processes
+from blujax.model.stack import REMAT
 from blujax.cli.settings import SAMPLE_PROMPT, SAVE_MINUTES, defaults
 
 # --dtype's values, and the other spellings it takes (llm.c's and numpy's names).
@@ -158,8 +159,12 @@ def _add_training_flags(t: argparse.ArgumentParser, both):
                                                       "embeddings, >= 0 (default: 0.1)")
     t.add_argument("--grad-clip", type=float, help="clip the gradient's global norm to "
                                                    "this; 0: no clipping (default: 1.0)")
-    t.add_argument("--remat", action="store_const", const=True, help="recompute each block's "
-                   "activations in the backward pass: less memory, more compute (default: off)")
+    t.add_argument("--remat", nargs="?", const="full", choices=REMAT, metavar="MODE",
+                   help="recompute activations in the backward pass: less memory, more "
+                        "compute. full (the flag alone): each block from its input; selective: "
+                        "the norms and activations, keeping the matrix products' and "
+                        "attention's outputs; none. Default: selective for models of 4B "
+                        "parameters or more (llama-8b), else none")
     t.add_argument("--eval-every", type=int, help="validate every this many steps and at the "
                    "end; 0: never (default: a tenth of --steps)")
     t.add_argument("--save-every", type=int, help="checkpoint every this many steps and at the "
@@ -185,14 +190,18 @@ def _add_run_flags(t: argparse.ArgumentParser):
                                           "devices (default: 1)")
     t.add_argument("--cp", type=int, help="context parallelism (ring attention): each sequence "
                                           "splits over this many devices (default: 1)")
+    t.add_argument("--fsdp", type=int, help="fully sharded data parallelism (ZeRO-3): each "
+                   "micro-batch splits over this many devices as with --dp, and so do the "
+                   "parameters, gradients and AdamW's moments; each layer gathers its weights "
+                   "where it runs (default: 1)")
     t.add_argument("--zero", action=argparse.BooleanOptionalAction,
                    help="ZeRO-1: split AdamW's moments over the --dp devices (default: off). "
-                        "The run uses the first dp x tp x cp devices JAX sees; --resume "
+                        "The run uses the first dp x fsdp x tp x cp devices JAX sees; --resume "
                         "continues on any mesh (bit for bit on the same one)")
     t.add_argument("--num-processes", type=int, metavar="N",
                    help=f"train one run in N processes, one per host, each with this command "
-                        f"and its own --process-id, over a mesh of all their devices (dp x tp "
-                        f"x cp of them); each reads --data; process 0 writes --out, which "
+                        f"and its own --process-id, over a mesh of all their devices (dp x fsdp "
+                        f"x tp x cp of them); each reads --data; process 0 writes --out, which "
                         f"--resume needs on a folder all see (default: "
                         f"${processes.ENV_NUM_PROCESSES}, else 1)")
     t.add_argument("--process-id", type=int, metavar="I",

@@ -76,4 +76,6 @@ def plot_title(s: TrainSettings, model_config) -> str:
 
 
 def _mesh(d: dict) -> str:
-    return f"dp {d['dp']} x tp {d['tp']} x cp {d['cp']}" + (", ZeRO-1" if d["zero"] else "")
+    fsdp = f"fsdp {d['fsdp']} x " if d.get("fsdp", 1) > 1 else ""
+    return (f"dp {d['dp']} x {fsdp}tp {d['tp']} x cp {d['cp']}"
+            + (", ZeRO-1" if d["zero"] else ""))

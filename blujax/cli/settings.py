@@ -18,7 +18,8 @@ from blujax.interop import InteropError
 from blujax.loop import TrainingError, plural
 from blujax.metrics import MetricsError
 from blujax.runs import RunError
-from blujax.sharding.mesh import CONTEXT, DATA, TENSOR, check_batch, mesh_devices
+from blujax.model.stack import remat_mode
+from blujax.sharding.mesh import CONTEXT, DATA, FSDP, TENSOR, check_batch, mesh_devices
 from blujax.train import TrainConfig
 
 # What the samples at the end of training, and `sample` by default, continue.
@@ -58,7 +59,7 @@ class TrainSettings:
     warmup: int | None = None
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    remat: bool = False
+    remat: str = "none"  # blujax.model.stack.REMAT; new runs: blujax.model.default_remat
     eval_every: int | None = None
     eval_batches: int = 4
     save_every: int | None = None
@@ -67,6 +68,7 @@ class TrainSettings:
     dp: int = 1  # the device mesh (blujax.sharding)
     tp: int = 1
     cp: int = 1
+    fsdp: int = 1
     zero: bool = False
     init_from: str | None = None  # pretrained weights to start from (None: a new `model`)
     # HellaSwag at every validation: the items' file ("": the official set, downloaded).
@@ -74,7 +76,12 @@ class TrainSettings:
 
     @property
     def n_devices(self) -> int:
-        return self.dp * self.tp * self.cp
+        return self.dp * self.fsdp * self.tp * self.cp
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices over which a batch's sequences split."""
+        return self.dp * self.fsdp
 
 
 # GPT-2 124M in bf16.
@@ -84,7 +91,7 @@ COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed
                 "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat", "init_from")
 # How the run is spread over devices: the same numbers up to rounding, so a resumed run keeps
 # the run's values unless given, and may change them (then not bit for bit).
-PARALLEL_KEYS = ("dp", "tp", "cp", "zero")
+PARALLEL_KEYS = ("dp", "tp", "cp", "fsdp", "zero")
 # Settings that runs of earlier versions lack (config.json): they take their defaults there.
 ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag", "save_minutes")
 # A run checkpoints every tenth of its steps or every SAVE_MINUTES, whichever comes first,
@@ -113,6 +120,7 @@ def resolve_train_settings(args, saved: dict | None) -> TrainSettings:
         # then spans the new count (cmd_train says so and records it).
         # Settings added since a run began take their defaults there.
         old = dict({k: defaults(False)[k] for k in ADDED_KEYS}, **old)
+        old["remat"] = remat_mode(old.get("remat"))  # earlier runs: true / false
         changed = [k for k in COMPUTE_KEYS if k in given and given[k] != old[k]
                    and k != "steps"]
         if changed:
@@ -167,7 +175,8 @@ def check_settings(s: TrainSettings, model_config):
     def flags(*names):
         return {f"--{name.replace('_', '-')}": getattr(s, name) for name in names}
 
-    check_counts(flags("steps", "batch", "seq", "accum", "eval_batches", "dp", "tp", "cp"), 1)
+    check_counts(flags("steps", "batch", "seq", "accum", "eval_batches", "dp", "tp", "cp", "fsdp"),
+                 1)
     check_counts(flags("warmup", "eval_every", "save_every", "sample_tokens"), 0)
     check_number("--lr", s.lr, low=0, low_open=True)
     check_number("--min-lr-ratio", s.min_lr_ratio, low=0, high=1)
@@ -239,11 +248,12 @@ def check_number(flag: str, value: float, *, low: float | None = None, high: flo
 def check_parallel(s: TrainSettings, model_config):
     """The mesh fits the devices, the model and the batches (blujax.sharding's checks), before
     anything is compiled."""
-    flags, micro = f"--dp {s.dp}, --tp {s.tp}, --cp {s.cp}", s.batch // s.accum
+    flags = f"--dp {s.dp}, --fsdp {s.fsdp}, --tp {s.tp}, --cp {s.cp}"
+    micro = s.batch // s.accum
     try:
-        mesh_devices(s.dp, s.tp, s.cp)
+        mesh_devices(s.dp, s.tp, s.cp, fsdp=s.fsdp)
         if s.n_devices > 1:
-            sizes = {DATA: s.dp, TENSOR: s.tp, CONTEXT: s.cp}
+            sizes = {DATA: s.dp, FSDP: s.fsdp, TENSOR: s.tp, CONTEXT: s.cp}
             flags += (f"; micro-batches of {micro} x --seq {s.seq} tokens, {s.model} has "
                       f"{model_config.n_head} heads")
             model.family_of(model_config).check_mesh(model_config, sizes)

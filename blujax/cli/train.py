@@ -121,6 +121,8 @@ def _settle(args, procs: processes.Processes, held: contextlib.ExitStack) -> _Ru
             s.model = pretrained.source.get("name") or Path(s.init_from).name
         else:
             model_config, tokenizer = model_preset(s.model), tokenizer_lib.gpt2()
+        if saved is None and args.remat is None:  # large models recompute by default
+            s.remat = model.default_remat(model_config)
         check_settings(s, model_config)
         stop_after = s.steps if args.stop_after is None else args.stop_after
         if not 1 <= stop_after <= s.steps:
@@ -144,6 +146,10 @@ def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitS
     """The training loader (every shard's tokens checked), the validation batches, HellaSwag's
     items and the mesh."""
     s, vocab = r.s, r.model_config.vocab_size
+    if r.data_tokenizer is not None:
+        # A model larger than its tokenizer (llama-8b's 128256 rows on GPT-2's 50257 tokens):
+        # shards with ids past the tokenizer's were made by another one.
+        vocab = min(vocab, r.data_tokenizer.vocab_size)
     if r.source is None:  # the other processes, from the lead's cache
         r.source = data.resolve(s.data, tokenizer=r.data_tokenizer)
     r.loader = held.enter_context(_open_loader(s, r.source, r.saved, vocab))
@@ -153,16 +159,18 @@ def _open_data(r: _Run, args, procs: processes.Processes, held: contextlib.ExitS
         print(f"checking the tokens of {len(r.loader.counts)} training shards", flush=True)
     r.loader.check_all()
     # One device: the single-device step. Several: the sharded step over a mesh of them.
-    devices = sharding.mesh_devices(s.dp, s.tp, s.cp)
-    r.mesh = sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices) if len(devices) > 1 else None
+    devices = sharding.mesh_devices(s.dp, s.tp, s.cp, fsdp=s.fsdp)
+    r.mesh = (sharding.make_mesh(s.dp, s.tp, s.cp, devices=devices, fsdp=s.fsdp)
+              if len(devices) > 1 else None)
     if s.eval_every:
         val = data.val_batches(r.source.val, batch=s.batch, seq=s.seq,
-                               max_batches=s.eval_batches, rows_multiple=s.dp, vocab_size=vocab)
+                               max_batches=s.eval_batches, rows_multiple=s.batch_shards,
+                               vocab_size=vocab)
         if r.source.val and not val and procs.lead:
             report.warn(f"warning: the validation split of {r.source.description} is shorter "
-                        f"than {loop.plural(s.dp, 'sequence')} of --seq {s.seq}: no "
+                        f"than {loop.plural(s.batch_shards, 'sequence')} of --seq {s.seq}: no "
                         f"validation loss")
-        where = None if r.mesh is None else NamedSharding(r.mesh, P(sharding.DATA))
+        where = None if r.mesh is None else NamedSharding(r.mesh, P(sharding.BATCH_AXES))
         r.val = [tuple(procs.global_array(a, where) for a in b) for b in val]
     if s.hellaswag is not None and s.eval_every:
         r.items = hellaswag_items(text_tokenizer(r.tokenizer, r.model_config,

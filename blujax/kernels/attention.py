@@ -20,6 +20,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from blujax._ffi import current_platform, require_kernels
 from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
@@ -27,6 +28,10 @@ from blujax.kernels._util import check_dtype, check_float64_platform, match_vma,
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Head sizes the CUDA kernels are compiled for (xla_ext/cuda/attention.cu, WithHeadDim).
 GPU_HEAD_DIMS = (64, 128)
+# The name (checkpoint_name) of the forward's output and log-sum-exp: a recomputation policy
+# that saves it keeps what the backward reads, so the forward kernel need not run again
+# (blujax.model.stack's "selective").
+CHECKPOINT_NAME = "attention"
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None):
@@ -140,7 +145,7 @@ def _fwd_call(q, k, v, causal, scale):
          result_type(q, (1,), jnp.int32)),
         vmap_method="sequential",
     )(q, k, v, causal=causal, scale=np.float64(scale))
-    return out, lse
+    return checkpoint_name(out, CHECKPOINT_NAME), checkpoint_name(lse, CHECKPOINT_NAME)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from blujax.model import gpt2, llama, qwen2
 from blujax.model.family import Family
+from blujax.model.stack import num_params
 
 FAMILIES: dict[str, Family] = {f.NAME: f for f in (gpt2, llama, qwen2)}
 
@@ -24,6 +27,20 @@ def family_of(config) -> Family:
             return family
     raise TypeError(f"{type(config).__name__} is not the config of a registered model family "
                     f"({', '.join(FAMILIES)})")
+
+
+# Models of at least this many parameters train with "selective" recomputation unless told
+# otherwise: Llama 3 8B's step at its 8192 tokens keeps 57 GB of activations a device without
+# it (fsdp8, one sequence a device), 35 GB with it (benchmarks.memory; benchmarks/RESULTS.md).
+SELECTIVE_FROM_PARAMS = 4e9
+
+
+def default_remat(config) -> str:
+    """The recomputation (blujax.model.stack.REMAT) a model of `config` trains with unless
+    told: "selective" from SELECTIVE_FROM_PARAMS parameters, else "none" (the fastest)."""
+    family = family_of(config)
+    params = jax.eval_shape(lambda k: family.init(config, k), jax.random.key(0))
+    return "selective" if num_params(params) >= SELECTIVE_FROM_PARAMS else "none"
 
 
 def presets() -> dict:

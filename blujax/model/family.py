@@ -26,7 +26,10 @@ from functools import partial
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+
+from blujax.kernels.attention import CHECKPOINT_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Family(Protocol):
       dtype) -> (logits [B, V], cache): sampling with a KV cache. (forward to decode are one
       `blujax.model.stack.Decoder`'s.)
     check_tokens(tokens, config); check_mesh(config, sizes): ValueError for a mesh
-      ({"data", "tensor", "context"} sizes) the model does not split over.
+      ({"data", "fsdp", "tensor", "context"} sizes) the model does not split over.
     decay_mask(params): True for the leaves AdamW decays.
     flops_per_token(config, seq_len): training FLOPs per token (for MFU).
     config_from_hf, hf_config, to_hf, from_hf: its Hugging Face converter (blujax.interop
@@ -139,11 +142,25 @@ class Attend(NamedTuple):
     heads: Callable
 
 
+# Names (jax.ad_checkpoint.checkpoint_name) the layer runner's recomputation policies read
+# (blujax.model.stack): a layer's weights gathered over "fsdp" (sharding.Parallel.take), and
+# the outputs "selective" keeps: the matrix products' (the hooks name them) and attention's.
+GATHERED, MATMUL = "fsdp_gathered", "matmul"
+ATTENTION = CHECKPOINT_NAME  # the attention kernel names its output and lse too
+
+
+def saved(x, name: str = MATMUL):
+    """x named for the recomputation policy."""
+    return checkpoint_name(x, name)
+
+
 class OneDevice:
     """The hooks a model calls where a parallel run communicates; on one device, nothing.
     `blujax.sharding.Parallel` is the same interface inside shard_map.
 
-    share: parameters (float32) as a layer takes them. embed_tokens: rows of the token
+    share: parameters (float32) as a layer takes them; take: the same in a compute dtype (on a
+    mesh with "fsdp", also gathered whole; `within="blocks"`: one layer of the stacked blocks),
+    and `gathers`: whether take gathers anything. embed_tokens: rows of the token
     embedding for int tokens [B, T]. at_positions: the rows of a position-indexed table
     (a position embedding) for this device's residual-stream tokens of its T; at_gathered_
     positions: the same for the tokens a column-parallel product's output holds (all T, where
@@ -155,9 +172,15 @@ class OneDevice:
     mean cross-entropy of logits [N, V] against [N].
     """
 
+    gathers = False
+
     @staticmethod
     def share(params):
         return params
+
+    @staticmethod
+    def take(params, dtype, within=None):
+        return jax.tree.map(lambda x: x.astype(dtype), params)
 
     @staticmethod
     def embed_tokens(wte, tokens):
@@ -173,11 +196,11 @@ class OneDevice:
 
     @staticmethod
     def gather_matmul(x, w):
-        return x @ w
+        return saved(x @ w)
 
     @staticmethod
     def matmul_reduce(x, w):
-        return x @ w
+        return saved(x @ w)
 
     @staticmethod
     def attention(ops):
@@ -195,12 +218,12 @@ ONE_DEVICE = OneDevice()
 
 def causal_attention(ops, qkv):
     """Causal attention over qkv [B, T, 3, H, D]: (output, the layer's (k, v))."""
-    return ops.attention_qkv(qkv, causal=True), (qkv[:, :, 1], qkv[:, :, 2])
+    return saved(ops.attention_qkv(qkv, causal=True), ATTENTION), (qkv[:, :, 1], qkv[:, :, 2])
 
 
 def heads_attention(ops, q, k, v):
     """Causal attention of q [B, T, H, D] over k, v [B, T, KV, D]: (output, (k, v))."""
-    return ops.attention(q, k, v, causal=True), (k, v)
+    return saved(ops.attention(q, k, v, causal=True), ATTENTION), (k, v)
 
 
 def check_tokens(family: str, tokens, block_size: int):
@@ -218,7 +241,12 @@ def check_tokens(family: str, tokens, block_size: int):
 
 def check_split(config, sizes: dict[str, int], heads: tuple[str, ...]):
     """The model splits over the mesh's "tensor" axis: whole heads (each config field named in
-    `heads` divisible by it) and equal vocabulary slices per device."""
+    `heads` divisible by it) and equal vocabulary slices per device; and over "fsdp": the
+    width (n_embd) in equal pieces."""
+    fsdp = sizes.get("fsdp", 1)
+    if config.n_embd % fsdp:
+        raise ValueError(f"blujax.sharding: n_embd ({config.n_embd}) must be divisible by the "
+                         f"fsdp axis ({fsdp}): every weight is split over it along the width")
     tp = sizes["tensor"]
     for name in heads:
         if getattr(config, name) % tp:

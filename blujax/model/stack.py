@@ -14,8 +14,15 @@ The layers' parameters are stacked along a leading axis (params["blocks"], logic
 Python loop on a GPU, where a scan costs copies around our custom calls (their operands and
 results are copied out of and into slices of the scan's stacked activations). Both compute the
 same values. Each layer's float32 parameters are cast to the compute dtype where the layer runs,
-after the device's `share` hook: a parallel run may hook its gradient reduction there, one
-layer at a time.
+by the device's `take` hook: a parallel run may hook its gradient reduction there, one layer at
+a time, and gathers a layer's weights split over "fsdp" there.
+
+Activation memory (`remat`): "none" keeps what the backward needs; "full" keeps only each
+block's input and recomputes the block in the backward (`jax.checkpoint`); "selective" keeps
+the outputs of the matrix products and of attention (the expensive work, named in the hooks
+and the attention kernel: SAVED) and recomputes the norms, activations and rotary embeddings.
+Weights gathered over "fsdp" are kept with "none" (the products' operands), and gathered
+again in the backward with "selective" and "full" unless the hooks say keep_gathered.
 
 The blocks pass a *carry* from one to the next, whatever tuple the family chooses (GPT-2:
 the residual stream, the sublayer output not yet added to it and that output's bias; Llama:
@@ -39,7 +46,23 @@ import jax.numpy as jnp
 
 from blujax import vocab
 from blujax.model import family
-from blujax.model.family import ONE_DEVICE, Attend
+from blujax.model.family import ATTENTION, GATHERED, MATMUL, ONE_DEVICE, Attend
+
+# The values "selective" recomputation keeps: the matrix products' outputs, and attention's
+# (its output and log-sum-exp).
+SAVED = (MATMUL, ATTENTION)
+REMAT = ("none", "selective", "full")
+
+
+def remat_mode(remat) -> str:
+    """One of REMAT from a remat setting: False / None "none", True "full", or the name."""
+    if remat is None or remat is False:
+        return "none"
+    if remat is True:
+        return "full"
+    if remat not in REMAT:
+        raise ValueError(f"remat must be one of {', '.join(REMAT)} (or a bool), got {remat!r}")
+    return remat
 
 
 def cast(tree, dtype):
@@ -75,8 +98,9 @@ class Decoder:
         """Logits [B, T, padded_vocab_size] in `dtype` for int tokens [B, T], T <= block_size.
 
         The float32 params are cast to `dtype` (bfloat16: mixed precision; the kernels keep
-        their statistics in float32). remat=True recomputes each block's activations in the
-        backward (`jax.checkpoint`) instead of keeping them. scan_layers: the blocks under
+        their statistics in float32). remat: which activations the backward recomputes
+        instead of keeping ("none", "selective", "full"; True is "full": see the module's
+        docstring). scan_layers: the blocks under
         `lax.scan` or as a Python loop; None picks the loop on a GPU and the scan elsewhere.
 
         parallel: None on one device. Inside `shard_map`, a `blujax.sharding.Parallel`: the
@@ -105,7 +129,7 @@ class Decoder:
     def _run(self, params, tokens, config, ops, dtype, remat, par, scan_layers):
         """(the params but the blocks, in dtype; the carry after the last block)."""
         self.check_tokens(tokens, config)
-        p = cast(par.share({k: v for k, v in params.items() if k != "blocks"}), dtype)
+        p = par.take({k: v for k, v in params.items() if k != "blocks"}, dtype)
         # Rotary tables for the tokens a column-parallel product's output holds: this
         # device's whole (context) sequence, gathered over "tensor".
         rope = self._rope(config, lambda t: par.at_gathered_positions(t, tokens.shape[1]))
@@ -158,17 +182,18 @@ class Decoder:
         return (h @ self.head_weight(p).T)[:, 0], cache
 
 
-def run_layers(block, carry, blocks, *, dtype, par=ONE_DEVICE, remat: bool = False,
+def run_layers(block, carry, blocks, *, dtype, par=ONE_DEVICE, remat=False,
                scan_layers: bool | None = None):
     """`carry` through block(layer, carry) -> (carry, _) for every layer of the stacked
-    `blocks`, each layer's params shared (par.share) and cast to dtype where it runs; remat:
-    each layer's activations recomputed in the backward; scan_layers as Decoder.forward's."""
+    `blocks`, each layer's params taken (par.take: shared, in dtype, gathered) where it runs;
+    remat: what the backward recomputes (remat_mode); scan_layers as Decoder.forward's."""
     def step(carry, layer):
-        carry, _ = block(cast(par.share(layer), dtype), carry)
+        carry, _ = block(par.take(layer, dtype, within="blocks"), carry)
         return carry, None
 
-    if remat:
-        step = jax.checkpoint(step)
+    policy = checkpoint_policy(remat_mode(remat), par.gathers and par.keep_gathered)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy())
     if scan_layers is None:
         scan_layers = jax.default_backend() != "gpu"
     if scan_layers:
@@ -176,6 +201,20 @@ def run_layers(block, carry, blocks, *, dtype, par=ONE_DEVICE, remat: bool = Fal
     for i in range(jax.tree.leaves(blocks)[0].shape[0]):
         carry, _ = step(carry, jax.tree.map(lambda x: x[i], blocks))
     return carry
+
+
+def checkpoint_policy(mode: str, keep_gathered: bool):
+    """A function giving the jax.checkpoint policy of one layer for a remat mode (its `policy`
+    argument; a policy of None saves only the layer's inputs), or None: no checkpoint at all,
+    every value the backward reads kept (weights gathered over "fsdp" too: the products keep
+    their operands). With "selective" and "full" the gathered weights are gathered again in
+    the backward, unless keep_gathered."""
+    kept = (GATHERED,) if keep_gathered else ()
+    if mode == "selective":
+        return lambda: jax.checkpoint_policies.save_only_these_names(*SAVED, *kept)
+    if mode == "full":
+        return lambda: jax.checkpoint_policies.save_only_these_names(*kept) if kept else None
+    return None
 
 
 def cached_attention(cache_k, cache_v, at) -> Attend:

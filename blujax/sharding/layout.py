@@ -3,12 +3,16 @@ follow from it.
 
 Each parameter declares its logical axes where its family creates it (`family.Param`;
 `family.logical_axes(config)`); RULES, the one table, maps a logical axis to the mesh axis it
-splits over. Everything is replicated over "data" and "context", except with
-shard_optimizer=True (ZeRO-1), where AdamW's moments (and the update) are also split over
-"data" along one axis of each leaf (`zero_axis`). A family may keep some of its logical axes
-whole for a given mesh (`whole`, from its optional `whole_axes(config, sizes)`): Llama's key /
-value heads where n_kv_head does not divide by "tensor" are replicated over it instead, each
-device computing all of them (`Parallel.attention` picks the ones its query heads use).
+splits over. "tensor" splits heads, MLP and vocabulary (Megatron); "fsdp" splits the width
+("embed") of every leaf that has one (ZeRO-3: the parameter, its gradient and its optimizer
+state; the model gathers each layer's weights where it runs, `Parallel.take`), and the other
+leaves (biases without a width) stay whole on it. Everything is replicated over "data" and
+"context", except with shard_optimizer=True (ZeRO-1), where AdamW's moments (and the update)
+are also split over "data" along one axis of each leaf (`zero_axis`). A family may keep some
+of its logical axes whole for a given mesh (`whole`, from its optional `whole_axes(config,
+sizes)`): Llama's key / value heads where n_kv_head does not divide by "tensor" are replicated
+over it instead, each device computing all of them (`Parallel.attention` picks the ones its
+query heads use).
 
 On one device (mesh None) a Layout has no mesh axes and every collective below is the
 identity: the train step is the same code on one device and on any mesh.
@@ -24,18 +28,18 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax.sharding.mesh import AXES, DATA, TENSOR, mesh_sizes
+from blujax.sharding.mesh import AXES, DATA, FSDP, TENSOR, mesh_sizes
 
 # Logical axis -> the mesh axis it splits over (None: replicated). Megatron's layout: the
 # vocabulary (embedding rows, the LM head's columns, the loss), attention heads (the QKV
 # projection's outputs, the output projection's inputs) and the MLP's hidden units over
-# "tensor"; the rest whole on every device.
+# "tensor"; the width over "fsdp" (every weight matrix has one, so each is split there).
 RULES = {
     "vocab": TENSOR,
     "heads": TENSOR,     # n_head x head_dim: whole heads per device
     "kv_heads": TENSOR,  # n_kv_head x head_dim (grouped-query attention)
     "mlp": TENSOR,
-    "embed": None,
+    "embed": FSDP,
     "positions": None,
     "layers": None,      # the stacked blocks (the scan's axis)
     "qkv": None,         # q, k, v side by side
@@ -43,36 +47,44 @@ RULES = {
 }
 
 
-def tensor_axis(axes: tuple[str, ...], where: str = "a parameter",
-                whole: tuple[str, ...] = ()) -> int | None:
-    """The dimension of a leaf with these logical axes that splits over "tensor" (None: none);
-    names in `whole` stay whole (replicated) though RULES splits them. ValueError for a name
-    RULES does not know, or two dimensions on "tensor"."""
-    unknown = [a for a in axes if a not in RULES]
+def mesh_axis_dim(axes: tuple[str, ...], mesh_axis: str, where: str = "a parameter",
+                  whole: tuple[str, ...] = ()) -> int | None:
+    """The dimension of a leaf with these logical axes that RULES splits over `mesh_axis`
+    (None: none); names in `whole` stay whole (replicated) though RULES splits them.
+    ValueError for a name RULES does not know, or two dimensions on one mesh axis."""
+    unknown = [a for a in axes + tuple(whole) if a not in RULES]
     if unknown:
         raise ValueError(f"blujax.sharding: {where} has the logical axis {unknown[0]!r}, which "
                          f"blujax.sharding.layout.RULES does not map (it maps "
                          f"{', '.join(RULES)})")
-    unknown = [a for a in whole if a not in RULES]
-    if unknown:
-        raise ValueError(f"blujax.sharding: the logical axis {unknown[0]!r} to keep whole is not "
-                         f"one blujax.sharding.layout.RULES maps")
-    split = [i for i, a in enumerate(axes) if RULES[a] == TENSOR and a not in whole]
+    split = [i for i, a in enumerate(axes) if RULES[a] == mesh_axis and a not in whole]
     if len(split) > 1:
-        raise ValueError(f"blujax.sharding: {where} has two axes on \"tensor\": {axes}")
+        raise ValueError(f"blujax.sharding: {where} has two axes on \"{mesh_axis}\": {axes}")
     return split[0] if split else None
+
+
+def tensor_axis(axes: tuple[str, ...], where: str = "a parameter",
+                whole: tuple[str, ...] = ()) -> int | None:
+    """The dimension of a leaf with these logical axes that splits over "tensor"."""
+    return mesh_axis_dim(axes, TENSOR, where, whole)
+
+
+def fsdp_axis(axes: tuple[str, ...], where: str = "a parameter") -> int | None:
+    """The dimension of a leaf with these logical axes that splits over "fsdp"."""
+    return mesh_axis_dim(axes, FSDP, where)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Per leaf of the params, in treedef order: its rank, the axis split over "tensor", and
-    the axis its optimizer state splits over "data" (None: not split). `axes`: the mesh's axes
-    (() on one device)."""
+    """Per leaf of the params, in treedef order: its rank, the axis split over "tensor", the
+    axis split over "fsdp", and the axis its optimizer state splits over "data" (None: not
+    split). `axes`: the mesh's axes (() on one device)."""
 
     treedef: Any
     ndims: tuple
     tensor_axes: tuple
     zero_axes: tuple
+    fsdp_axes: tuple = ()
     axes: tuple = AXES
 
     @classmethod
@@ -82,30 +94,42 @@ class Layout:
         structure) on a mesh of these sizes; sizes None: one device. `whole`: logical axes
         replicated over "tensor" on this mesh though RULES splits them (the family's
         whole_axes(config, sizes)); such a leaf's gradient is then summed over "tensor" too
-        (`reduce`), and counted once in `global_norm`."""
+        (`reduce`), and counted once in `global_norm`. ValueError for a leaf whose "fsdp"
+        dimension does not divide by it."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        n = len(leaves)
         if sizes is None:
-            n = len(leaves)
             return cls(treedef, tuple(len(x.shape) for _, x in leaves), (None,) * n,
-                       (None,) * n, ())
+                       (None,) * n, (None,) * n, ())
         names = treedef.flatten_up_to(logical_axes)
-        tensor_axes = tuple(tensor_axis(a, f"params{jax.tree_util.keystr(path)}", whole)
-                            for (path, _), a in zip(leaves, names))
+        where = [f"params{jax.tree_util.keystr(path)}" for path, _ in leaves]
+        tensor_axes = tuple(tensor_axis(a, w, whole) for a, w in zip(names, where))
+        fsdp_axes = fsdp_axes_of(logical_axes, treedef, sizes[FSDP]) if FSDP in sizes \
+            else (None,) * n
+        for (_, x), f, w in zip(leaves, fsdp_axes, where):
+            if f is not None and x.shape[f] % sizes[FSDP]:
+                raise ValueError(f"blujax.sharding: {w} has {x.shape[f]} along its width, which "
+                                 f"the fsdp axis ({sizes[FSDP]}) must divide: every weight is "
+                                 f"split over it")
         zero_axes = tuple(
-            zero_axis(x.shape, t, sizes[TENSOR], sizes[DATA]) if shard_optimizer else None
-            for (_, x), t in zip(leaves, tensor_axes))
-        return cls(treedef, tuple(len(x.shape) for _, x in leaves), tensor_axes, zero_axes)
+            zero_axis(local_shape(x.shape, sizes, t, f), sizes[DATA]) if shard_optimizer
+            else None
+            for (_, x), t, f in zip(leaves, tensor_axes, fsdp_axes))
+        return cls(treedef, tuple(len(x.shape) for _, x in leaves), tensor_axes, zero_axes,
+                   fsdp_axes)
 
     # --- specs ------------------------------------------------------------------------------
 
     def param_specs(self):
         return self.treedef.unflatten(
-            [_spec(n, t, None) for n, t in zip(self.ndims, self.tensor_axes)])
+            [_spec(n, t, f, None) for n, t, f in zip(self.ndims, self.tensor_axes,
+                                                     self.fsdp_axes)])
 
     def moment_specs(self):
         """Specs of a params-shaped optimizer-state tree (AdamW's moments)."""
         return self.treedef.unflatten(
-            [_spec(n, t, z) for n, t, z in zip(self.ndims, self.tensor_axes, self.zero_axes)])
+            [_spec(n, t, f, z) for n, t, f, z in zip(self.ndims, self.tensor_axes,
+                                                     self.fsdp_axes, self.zero_axes)])
 
     def state_specs(self, state):
         """A TrainState of specs: the params, and every params-shaped subtree of the optimizer
@@ -119,13 +143,16 @@ class Layout:
     def reduce(self, grads, *, reduced=False):
         """Each gradient summed over the devices that share its leaf: all-reduce over the axes
         it is replicated on; with a ZeRO axis, reduce-scatter over "data" along it instead.
-        Gradients `reduced` already (in the backward) are only cut to this device's piece."""
+        (A leaf split over "fsdp" was reduce-scattered there already, in the backward of its
+        gather: `Parallel.take`.) Gradients `reduced` already (in the backward) are only cut to
+        this device's piece."""
         if reduced:
             return self.zero_pieces(grads)
         out = []
-        for g, t, z in zip(self.treedef.flatten_up_to(grads), self.tensor_axes,
-                           self.zero_axes):
+        for g, t, f, z in zip(self.treedef.flatten_up_to(grads), self.tensor_axes,
+                              self.fsdp_axes, self.zero_axes):
             replicated = tuple(a for a in self.axes if not (a == TENSOR and t is not None)
+                               and not (a == FSDP and f is not None)
                                and not (a == DATA and z is not None))
             if replicated:
                 g = jax.lax.psum(g, replicated)
@@ -138,9 +165,10 @@ class Layout:
         """optax.tree.norm of the whole (unsharded) gradient: squares summed per device, then
         over the axes each leaf is split along."""
         sums = {}
-        for g, t, z in zip(self.treedef.flatten_up_to(grads), self.tensor_axes,
-                           self.zero_axes):
-            axes = (TENSOR,) * (t is not None) + (DATA,) * (z is not None)
+        for g, t, f, z in zip(self.treedef.flatten_up_to(grads), self.tensor_axes,
+                              self.fsdp_axes, self.zero_axes):
+            axes = (TENSOR,) * (t is not None) + (FSDP,) * (f is not None) + \
+                (DATA,) * (z is not None)
             sums[axes] = sums.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
         return jnp.sqrt(sum(jax.lax.psum(s, axes) if axes else s for axes, s in sums.items()))
 
@@ -172,23 +200,40 @@ def map_moments(f, opt_state, treedef, other=lambda x: x):
                         is_leaf=is_moments)
 
 
-def zero_axis(shape, tensor_axis, tp: int, dp: int):
-    """The axis along which a leaf's optimizer state splits over "data": the longest (first of
-    equals) whose per-device length dp divides; None when dp == 1 or none does."""
+def fsdp_axes_of(logical_axes, treedef, fsdp: int) -> tuple:
+    """Per leaf (treedef order) of params with these logical axes, the dimension split over
+    "fsdp"; all None where fsdp is 1 (no gathers: the one-device program)."""
+    names = treedef.flatten_up_to(logical_axes)
+    if fsdp == 1:
+        return (None,) * len(names)
+    return tuple(fsdp_axis(a) for a in names)
+
+
+def local_shape(shape, sizes, tensor_axis, fsdp_axis) -> list[int]:
+    """A leaf's shape on one device: split over "tensor" and "fsdp" where its layout says."""
+    return [n // sizes[TENSOR] if i == tensor_axis else n // sizes[FSDP] if i == fsdp_axis
+            else n for i, n in enumerate(shape)]
+
+
+def zero_axis(local, dp: int):
+    """The axis along which a leaf's optimizer state splits over "data", of its per-device
+    shape `local`: the longest (first of equals) that dp divides; None when dp == 1 or none
+    does."""
     if dp == 1:
         return None
-    local = [n // tp if i == tensor_axis else n for i, n in enumerate(shape)]
     fits = [i for i, n in enumerate(local) if n % dp == 0]
     return max(fits, key=lambda i: local[i]) if fits else None
 
 
-def _spec(ndim, tensor_axis, zero_axis):
+def _spec(ndim, tensor_axis, fsdp_axis, zero_axis):
     entries = [None] * ndim
     if tensor_axis is not None:
         entries[tensor_axis] = TENSOR
+    if fsdp_axis is not None:
+        entries[fsdp_axis] = FSDP
     if zero_axis is not None:
         # Both on one axis: device (t, d) holds piece d of tensor piece t.
-        entries[zero_axis] = (TENSOR, DATA) if zero_axis == tensor_axis else DATA
+        entries[zero_axis] = (entries[zero_axis], DATA) if entries[zero_axis] else DATA
     return P(*entries)
 
 

@@ -1,8 +1,8 @@
 """A model's hooks for per-device code inside the train step's shard_map.
 
-On one device the hooks do nothing (blujax.model.family.ONE_DEVICE, which documents them). Here, on a ("data", "tensor",
-"context") mesh, each device holds B / data sequences of T / context tokens (zig-zag chunks,
-see ring.py), and:
+On one device the hooks do nothing (blujax.model.family.ONE_DEVICE, which documents them).
+Here, on a ("data", "fsdp", "tensor", "context") mesh, each device holds B / (data x fsdp)
+sequences of T / context tokens (zig-zag chunks, see ring.py), and:
 
 - embed_tokens: the vocabulary-parallel token embedding (each device looks up the ids in its
   slice of the table, zeros elsewhere) summed over "tensor" and split along the sequence in
@@ -15,11 +15,19 @@ see ring.py), and:
   transposes are each other, so the backward needs nothing more. With collective_matmul the
   collective is cut into "tensor" steps of `ppermute`, each overlapping one slice of the
   product (collective matmul), instead of one all-gather / reduce-scatter before / after it.
-- share: parameters as a layer takes them. With reduce_in_backward the float32 parameters are
-  cast to varying over the devices that share them here, inside the differentiated function,
-  so JAX's transpose of that cast (a psum) reduces each layer's gradient in the backward as
-  soon as it exists, where it can overlap the backward of the layers below it. Without it the
-  step reduces all gradients once, after the backward (and after the last micro-batch).
+- take: parameters as a layer takes them, in the compute dtype. With reduce_in_backward the
+  float32 parameters are first cast to varying over the devices that share them here, inside
+  the differentiated function, so JAX's transpose of that cast (a psum) reduces each layer's
+  gradient in the backward as soon as it exists, where it can overlap the backward of the
+  layers below it. Without it the step reduces all gradients once, after the backward (and
+  after the last micro-batch). Over "fsdp" (ZeRO-3), each leaf split there is cast to the
+  compute dtype and then all-gathered (half the bytes of the float32 master in bfloat16),
+  where the layer runs; its gradient comes back reduce-scattered in float32 (`_gather_cast`).
+  The gathered weights are named GATHERED: with recomputation ("selective", "full") the layer
+  runner frees them after the forward and gathers again in the backward unless keep_gathered
+  (blujax.model.stack.checkpoint_policy); without, the backward keeps them. Every
+  gather depends only on the parameters, not on the layer before, so the scheduler is free
+  to issue the next layer's while this one computes.
 - attention: ring attention over "context" (plain causal attention when it has size 1), of
   a fused projection or of grouped-query heads (q [B, T, H, D] over k, v [B, T, KV, D]);
   for the latter, where the layout keeps the key/value heads whole (`whole` holds
@@ -35,10 +43,12 @@ import dataclasses
 from functools import partial
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from blujax.model.family import Attend, causal_attention, heads_attention
-from blujax.sharding.mesh import AXES, CONTEXT, TENSOR
+from blujax.model.family import (ATTENTION, GATHERED, Attend, causal_attention,
+                                 heads_attention, saved)
+from blujax.sharding.mesh import AXES, CONTEXT, FSDP, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
 
@@ -56,16 +66,40 @@ def vary(x, axes=AXES):
 class Parallel:
     """The parallel hooks for a mesh whose "tensor" and "context" axes have these sizes.
     `whole`: the logical axes the layout keeps whole though RULES splits them
-    (blujax.sharding.layout.Layout.of's)."""
+    (blujax.sharding.layout.Layout.of's). `fsdp_dims`: (key path, dimension) of each
+    parameter split over "fsdp" (`fsdp_dims`, from the layout); keep_gathered: keep each
+    layer's gathered weights for the backward instead of gathering them again."""
 
     tensor: int
     context: int
     collective_matmul: bool = False
     reduce_in_backward: bool = False
     whole: tuple[str, ...] = ()
+    fsdp_dims: tuple[tuple[str, int], ...] = ()
+    keep_gathered: bool = False
+
+    @property
+    def gathers(self) -> bool:
+        return bool(self.fsdp_dims)
 
     def share(self, params):
         return vary(params) if self.reduce_in_backward else params
+
+    def take(self, params, dtype, within: str | None = None):
+        """params (a subtree of the model's: its top level, or with within="blocks" one layer
+        of the stacked blocks) as the layer uses them: shared, in `dtype`, whole over
+        "fsdp"."""
+        dims = dict(self.fsdp_dims)
+        prefix, drop = (f"[{within!r}]", 1) if within else ("", 0)
+
+        def one(path, x):
+            dim = dims.get(prefix + jax.tree_util.keystr(path))
+            if dim is None:
+                return x.astype(dtype)
+            return checkpoint_name(
+                _gather_cast(x, dim - drop, jnp.dtype(dtype)), GATHERED)
+
+        return jax.tree_util.tree_map_with_path(one, self.share(params))
 
     def embed_tokens(self, wte, tokens):
         rows = wte.shape[0]  # this device's rows of the vocabulary
@@ -91,14 +125,14 @@ class Parallel:
     def gather_matmul(self, x, w):
         """all_gather(x over "tensor", along the sequence) @ w."""
         if self.collective_matmul and self.tensor > 1:
-            return _gather_matmul(x, w, self.tensor)
-        return jax.lax.all_gather(x, TENSOR, axis=1, tiled=True) @ w
+            return saved(_gather_matmul(x, w, self.tensor))
+        return saved(jax.lax.all_gather(x, TENSOR, axis=1, tiled=True) @ w)
 
     def matmul_reduce(self, x, w):
         """psum_scatter(x @ w over "tensor", along the sequence)."""
         if self.collective_matmul and self.tensor > 1:
-            return _matmul_reduce(x, w, self.tensor)
-        return jax.lax.psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True)
+            return saved(_matmul_reduce(x, w, self.tensor))
+        return saved(jax.lax.psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True))
 
     def attention(self, ops) -> Attend:
         if self.context == 1:
@@ -118,17 +152,46 @@ class Parallel:
         return jnp.sum(losses) / n_tokens
 
 
+def fsdp_dims(params, fsdp_axes) -> tuple[tuple[str, int], ...]:
+    """(key path, dimension) of every leaf of params split over "fsdp" (fsdp_axes: per leaf,
+    as Layout.fsdp_axes)."""
+    paths = [jax.tree_util.keystr(path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(params)[0]]
+    return tuple((p, f) for p, f in zip(paths, fsdp_axes) if f is not None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_cast(x, dim, dtype):
+    """x (this device's float32 piece) in `dtype`, all-gathered over "fsdp" along `dim`: the
+    cast first, so the gather moves the compute dtype's bytes. Its gradient: the whole
+    gradient reduce-scattered back in float32 (a bfloat16 sum over devices would round every
+    addition)."""
+    return jax.lax.all_gather(x.astype(dtype), FSDP, axis=dim, tiled=True)
+
+
+def _gather_cast_fwd(x, dim, dtype):
+    return _gather_cast(x, dim, dtype), jnp.zeros((0,), x.dtype)
+
+
+def _gather_cast_bwd(dim, dtype, empty, g):
+    summed = jax.lax.psum_scatter(g.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True)
+    return (summed.astype(empty.dtype),)
+
+
+_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
+
+
 def _ring(ops, n, qkv):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
-    return out, (k, v)
+    return saved(out, ATTENTION), (k, v)
 
 
 def _ring_heads(ops, n, q, k, v):
     out = ring_attention(q, k, v, attention_with_lse=ops.attention_with_lse, axis_name=CONTEXT,
                          axis_size=n)
-    return out, (k, v)
+    return saved(out, ATTENTION), (k, v)
 
 
 def _attend_local_kv(attend, tp, q, k, v):

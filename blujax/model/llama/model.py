@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from blujax import vocab
 from blujax.model import family, stack
 from blujax.model.family import Param
 
@@ -78,6 +79,16 @@ PRESETS = {
     # Llama 3.2 1B's shape (on GPT-2's vocabulary unless imported).
     "llama-1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_hidden=8192,
                             block_size=2048, rope_theta=500000.0),
+    # Llama 3 8B's shape (8,030,261,248 parameters): Meta's vocabulary (128256, a multiple of
+    # 128 already), so that its weights import and the count is the 8B's; trained from scratch
+    # it speaks GPT-2's tokenizer all the same (its ids fit; the rows above are never a
+    # target). Llama 3's 8192-token context and theta, Llama 3.1's frequency scaling
+    # (wavelengths past 8192 tokens slowed 8x, those under 2048 kept); an LM head of its own,
+    # as Meta's 8B has (the small Llamas tie theirs). norm_eps: the default, Meta's 1e-5.
+    "llama-8b": LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                            vocab_size=128256, padded_vocab_size=vocab.padded(128256),
+                            block_size=8192, rope_theta=500000.0,
+                            rope_scaling=(8.0, 1.0, 4.0, 8192), tie_embeddings=False),
 }
 
 
