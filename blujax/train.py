@@ -257,10 +257,11 @@ def batch_sharding(mesh) -> NamedSharding | None:
 
 # --------------------------------------------------------------------------------------------
 # The step: one implementation, on one device or per device inside a shard_map over a
-# ("data", "tensor", "context") mesh. Per device, the model runs with the device's hooks
-# (family.ONE_DEVICE, or sharding.Parallel: sequence-parallel Megatron layers over "tensor",
-# ring attention over "context"), the loss is this device's share of the mean, and every
-# collective is explicit and comes from the parameters' Layout (none on one device).
+# ("data", "fsdp", "tensor", "context") mesh. Per device, the model runs with the device's
+# hooks (family.ONE_DEVICE, or sharding.Parallel: weights gathered over "fsdp",
+# sequence-parallel Megatron layers over "tensor", ring attention over "context"), the loss is
+# this device's share of the mean, and every collective is explicit and comes from the
+# parameters' Layout (none on one device).
 
 
 class _Device(NamedTuple):

@@ -277,7 +277,7 @@ _SIGINT_IN_SET_UP = """
 import os, signal, sys
 from blujax import cli, startup
 def initial_state(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)  # to this thread: handled before the next line
     return real(*args, **kwargs)
 real, startup.initial_state = startup.initial_state, initial_state
 sys.exit(cli.main(sys.argv[1:]))

@@ -104,8 +104,11 @@ def _same_run(metrics, params, metrics_1, params_1):
         assert err <= 0.25 * TCFG.learning_rate, f"{jax.tree_util.keystr(path)}: {err:.3e}"
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
-@pytest.mark.parametrize("family", CONFIGS)
+# Every gradient on each mesh, each family on two of them (test_steps_match_one_device runs
+# both families on all four).
+@pytest.mark.parametrize("family,mesh_name", [
+    ("gpt2", "fsdp8"), ("gpt2", "fsdp2-cp2"), ("llama", "fsdp4-tp2"),
+    ("llama", "dp2-fsdp2-tp2")])
 def test_loss_and_grads_match_one_device(family, mesh_name):
     f = train.make_value_and_grad(CONFIGS[family], FFI, _mesh(mesh_name))
     tokens = _tokens(3, (B, T + 1))
@@ -143,7 +146,7 @@ def test_steps_match_one_device(family, mesh_name):
     assert state.params["wte"].sharding.spec[1] == "fsdp"
 
 
-@pytest.mark.parametrize("family", CONFIGS)
+@pytest.mark.parametrize("family", ["llama"])  # the hooks and the stack are the families'
 def test_recomputation_and_kept_gathers_give_the_same_gradients(family):
     """Every remat setting, and keeping the gathered weights for the backward instead of
     gathering again, compute the same loss and gradients on fsdp4 x tp2; with recomputation,
@@ -155,7 +158,7 @@ def test_recomputation_and_kept_gathers_give_the_same_gradients(family):
     loss_1, grads_1 = _one_device_grads(family)
     gathers = {}
     for remat, keep in [("none", False), ("selective", False), ("selective", True),
-                        ("full", False), ("full", True)]:
+                        ("full", False)]:
         f = train.make_value_and_grad(config, FFI, mesh, remat=remat, keep_gathered=keep)
         loss, grads = f(*args)
         np.testing.assert_allclose(float(loss), float(loss_1), rtol=1e-5, err_msg=remat)

@@ -75,7 +75,7 @@ def test_forward_checks_tokens():
         gpt2.forward(params, _tokens(0, (8,)), config=CONFIG, ops=FFI)
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [False, True, "selective"])
 def test_loss_and_grads_match_xla(remat):
     params = gpt2.init(CONFIG, jax.random.key(1))
     # Non-zero biases and LayerNorm parameters, so their gradients are tested too.

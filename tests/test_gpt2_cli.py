@@ -223,7 +223,7 @@ def _assert_usage_error(status, err, message):
     (["--data", "no/such/*.bin", *TINY_MODEL], "the pattern matches no files"),
     ([*TINY_MODEL, "--cp", "0"], "--cp must be at least 1, got 0"),
     ([*TINY_MODEL, "--dp", "3", "--tp", "3", "--cp", "1024"],
-     "data 3 x tensor 3 x context 1024 = 9216 devices, but JAX has"),
+     "data 3 x fsdp 1 x tensor 3 x context 1024 = 9216 devices, but JAX has"),
     ([*TINY_MODEL, "--process-id", "1"], "--process-id applies to a run of several processes: "
                                          "give --num-processes too"),
     ([*TINY_MODEL, "--num-processes", "2", "--process-id", "2"],

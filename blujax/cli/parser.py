@@ -163,8 +163,8 @@ def _add_training_flags(t: argparse.ArgumentParser, both):
                    help="recompute activations in the backward pass: less memory, more "
                         "compute. full (the flag alone): each block from its input; selective: "
                         "the norms and activations, keeping the matrix products' and "
-                        "attention's outputs; none. Default: selective for models of 4B "
-                        "parameters or more (llama-8b), else none")
+                        "attention's outputs; none (default: selective for models of 4B "
+                        "parameters or more, such as llama-8b, else none)")
     t.add_argument("--eval-every", type=int, help="validate every this many steps and at the "
                    "end; 0: never (default: a tenth of --steps)")
     t.add_argument("--save-every", type=int, help="checkpoint every this many steps and at the "
