@@ -19,6 +19,8 @@ step, train.make_train_step) and options after colons:
     cm     collective matmul: the tensor-parallel all-gathers / reduce-scatters as ppermute
            rings overlapping slices of their matrix products
     rb     each layer's gradient reduced inside the backward (overlapping it), not after it
+    kg     (fsdp) keep each layer's gathered weights for the backward instead of gathering
+           them again (with --remat selective or full; "none" keeps them anyway)
     plain  (with "1" only) the model on plain XLA ops with XLA's own attention, which
            materialises the [B, H, T, T] scores: the way that does not fit at long T
 --batch is the batch of one data-parallel rank: a run with dp x fsdp data ranks trains
@@ -63,7 +65,7 @@ from blujax import model, sharding, train
 from blujax.model import ops as model_ops
 from blujax.model.stack import REMAT
 
-OPTIONS = ("zero", "cm", "rb", "plain")
+OPTIONS = ("zero", "cm", "rb", "plain", "kg")
 
 
 def parse_run(text: str) -> Run:
@@ -105,7 +107,8 @@ def run_one(run: Run, config, seq, batch, dtype, steps, ops_name="ffi", profile_
         state = train.init_state(config, tcfg, key, ops, mesh, shard_optimizer=zero)
         step = train.make_train_step(
             config, tcfg, ops, mesh, shard_optimizer=zero,
-            collective_matmul="cm" in run.options, reduce_in_backward="rb" in run.options)
+            collective_matmul="cm" in run.options, reduce_in_backward="rb" in run.options,
+            keep_gathered="kg" in run.options)
         x, y = (jax.device_put(a, train.batch_sharding(mesh)) for a in (x, y))
     t0 = time.perf_counter()
     compiled = step.lower(state, x, y).compile()

@@ -273,8 +273,13 @@ def test_ctrl_c_in_a_resumed_run_says_how_to_continue(by_the_clock, tmp_path, ca
     assert not (out / ".lock").exists()
 
 
+# The child starts with Ctrl-C live, as at a terminal, whatever its parent left it: a process
+# started in the background inherits SIGINT ignored, and a library's thread may have blocked it
+# (both make the child train on as if nothing came).
 _SIGINT_IN_SET_UP = """
-import os, signal, sys
+import signal, sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from blujax import cli, startup
 def initial_state(*args, **kwargs):
     signal.raise_signal(signal.SIGINT)  # to this thread: handled before the next line
