@@ -14,6 +14,10 @@ run one after another in this process:
 
     ours-ffi     train.make_train_step on our kernels (ops "ffi"), fused AdamW kernel
     ours-xla     the same step on plain JAX (ops "xla": jnp ops, cuDNN attention, optax.adamw)
+    ours-fp8     ours-ffi with every block product in FP8 (TrainConfig fp8 "all", dynamic
+                 scaling); ours-fp8-delayed: the same with delayed scaling
+    ours-noise   ours-ffi from the weights times (1 + 1e-3 N(0, 1)) (seeded): our own noise
+                 floor, which the FP8 gaps to ours-ffi are read against
     torch        transformers.GPT2LMHeadModel from the exported weights, eager, bf16 autocast
                  around the forward, cross-entropy in float32 on the logits, global-norm
                  clipping (clip_grad_norm_), torch.optim.AdamW(fused=True) with TrainConfig's
@@ -28,7 +32,9 @@ precision on a GPU; torch.set_float32_matmul_precision("high")).
 Reported: each run's mean training loss over each window of steps (a, b] (--windows gives the
 edges; step k is the loss of the k-th batch, before the k-th update), then for each variant its
 gap to the PyTorch run of the same seed, per window, as the mean over seeds +- their standard
-deviation, and tokens/s (informational: the PyTorch side is eager, not compiled). --json writes
+deviation, and tokens/s (informational: the PyTorch side is eager, not compiled). With FP8
+variants, their gap to ours-ffi of the same seed beside ours-noise's (whether it is within twice
+that floor) and the largest one-step loss excess over ours-ffi (spikes). --json writes
 every run's per-step loss, gradient norm and the learning rates too (rewritten after each run,
 so an interrupted benchmark keeps what finished); --report prints the tables of such files
 together (say, one seed per invocation).
@@ -47,6 +53,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -59,10 +66,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from blujax import data, train  # noqa: E402
-from blujax.model import gpt2  # noqa: E402
+from blujax.model import family_of, get_config, gpt2  # noqa: E402
 from blujax.model import ops as model_ops  # noqa: E402
 
-VARIANTS = ("ours-ffi", "ours-xla", "torch", "torch-noise")
+VARIANTS = ("ours-ffi", "ours-xla", "ours-fp8", "ours-fp8-delayed", "ours-noise", "torch",
+            "torch-noise")
+# Our variants' train settings beyond the benchmark's own: ops, TrainConfig fields, noise.
+OURS = {"ours-ffi": ("ffi", {}, False), "ours-xla": ("xla", {}, False),
+        "ours-fp8": ("ffi", {"fp8": "all"}, False),
+        "ours-fp8-delayed": ("ffi", {"fp8": "all", "fp8_scaling": "delayed"}, False),
+        "ours-noise": ("ffi", {}, True)}
+DEFAULT_VARIANTS = ("ours-ffi", "ours-xla", "torch", "torch-noise")
 NOISE = 1e-3  # the noise floor's relative weight perturbation
 # A quick run: a tiny model on the CPU in about a minute.
 QUICK = dict(model="tiny", batch=4, seq=64, steps=24, seeds="0")
@@ -103,19 +117,24 @@ def resolve_shards(spec: str | None):
 
 
 class Ours:
-    """Runs of train.make_train_step on one ops namespace; the step is compiled once and reused
-    for every seed (the seed changes only the values)."""
+    """Runs of train.make_train_step on one ops namespace (and TrainConfig); the step is
+    compiled once and reused for every seed (the seed changes only the values). noise: start
+    from the seed's weights times (1 + NOISE N(0, 1)), as torch-noise does."""
 
-    def __init__(self, config, tcfg, ops_name):
+    def __init__(self, config, tcfg, ops_name, noise=False):
         self.config, self.tcfg, self.ops = config, tcfg, model_ops.get(ops_name)
         self.step = train.make_train_step(config, tcfg, self.ops)
-        self.compiled = None
+        self.noise = noise
 
     def run(self, seed, inputs, targets) -> dict:
-        state = train.init_state(self.config, self.tcfg, jax.random.key(seed), self.ops)
+        params = family_of(self.config).init(self.config, jax.random.key(seed))
+        if self.noise:
+            leaves, tree = jax.tree.flatten(params)
+            keys = jax.random.split(jax.random.key(10_000 + seed), len(leaves))
+            params = tree.unflatten([x * (1 + NOISE * jax.random.normal(k, x.shape))
+                                     for x, k in zip(leaves, keys)])
+        state = train.state_from_params(self.config, params, self.tcfg, self.ops)
         xs, ys = jax.device_put(inputs[:, None]), jax.device_put(targets[:, None])
-        if self.compiled is None:
-            self.compiled = self.step.lower(state, xs[0], ys[0]).compile()
         steps = len(inputs)
         t_start = timed_from(steps)
         metrics, t0 = [], None
@@ -123,7 +142,7 @@ class Ours:
             if i == t_start:
                 jax.block_until_ready(metrics[-1:])
                 t0 = time.perf_counter()
-            state, m = self.compiled(state, xs[i], ys[i])
+            state, m = self.step(state, xs[i], ys[i])
             metrics.append(m)
         metrics = jax.device_get(metrics)
         seconds = time.perf_counter() - t0
@@ -250,18 +269,18 @@ def window_means(losses, edges) -> dict[str, float]:
     return {f"{a}-{b}": float(np.mean(losses[a:b])) for a, b in zip(edges, edges[1:])}
 
 
-def gaps(runs, variants, windows) -> dict:
+def gaps(runs, variants, windows, base="torch") -> dict:
     """{variant: {window: [gap of each seed]}}: each run's window mean minus that of the
-    torch run of the same seed."""
+    `base` run of the same seed."""
     by = {(r["seed"], r["variant"]): r["windows"] for r in runs}
-    seeds = sorted({r["seed"] for r in runs if r["variant"] == "torch"})
+    seeds = sorted({r["seed"] for r in runs if r["variant"] == base})
     out = {}
     for v in variants:
-        if v == "torch":
+        if v == base:
             continue
         have = [s for s in seeds if (s, v) in by]
         if have:
-            out[v] = {w: [by[s, v][w] - by[s, "torch"][w] for s in have] for w in windows}
+            out[v] = {w: [by[s, v][w] - by[s, base][w] for s in have] for w in windows}
     return out
 
 
@@ -299,6 +318,39 @@ def report(runs, variants, windows) -> str:
     return "\n".join(lines)
 
 
+def fp8_report(runs, windows) -> str:
+    """FP8 against bfloat16 (ours-ffi) of the same seed: the loss gap per window (mean ± sd
+    over seeds), beside two noise floors: seed to seed (the standard deviation over seeds of
+    ours-ffi's window mean), against which |FP8 gap| <= 2 x floor is judged, and the stricter
+    perturbation floor (ours-noise: bfloat16 from perturbed weights on the same batches, its
+    mean |gap| to ours-ffi); and spikes: the largest single-step excess of each run's loss
+    over bfloat16's."""
+    g = gaps(runs, [v for v in VARIANTS if v in ("ours-fp8", "ours-fp8-delayed", "ours-noise")],
+             windows, base="ours-ffi")
+    fp8s = [v for v in ("ours-fp8", "ours-fp8-delayed") if v in g]
+    if not fp8s:
+        return ""
+    shown = [v for v in (*fp8s, "ours-noise") if v in g]
+    base = {w: [r["windows"][w] for r in runs if r["variant"] == "ours-ffi"] for w in windows}
+    lines = ["", "FP8 - bf16 (ours-ffi) loss gap (nats; mean ± sd over seeds), steps (a, b]:",
+             "", "| window | " + " | ".join(f"{v} − bf16" for v in shown)
+             + " | seed-to-seed floor (sd) | within 2x floor |",
+             "|---|" + "---|" * (len(shown) + 2)]
+    for w in windows:
+        cells = [mean_sd(g[v][w]) for v in shown]
+        floor = statistics.stdev(base[w]) if len(base[w]) > 1 else float("nan")
+        verdict = ", ".join(f"{v} {'yes' if abs(statistics.fmean(g[v][w])) <= 2 * floor else 'no'}"
+                            for v in fp8s)
+        lines.append(f"| {w} | " + " | ".join(cells) + f" | {floor:.4f} | {verdict} |")
+    by = {(r["seed"], r["variant"]): r["loss"] for r in runs}
+    excess = {v: max(max(np.asarray(by[s, v]) - np.asarray(by[s, "ours-ffi"]))
+                     for s, vv in by if vv == v and (s, "ours-ffi") in by)
+              for v in (*fp8s, "ours-noise") if v in g}
+    lines += ["", "largest one-step loss excess over bf16 (a spike bf16 does not have): "
+              + ", ".join(f"{v} {e:+.4f}" for v, e in excess.items())]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -306,7 +358,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.fidelity", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
-    p.add_argument("--model", help="a preset of blujax.model.gpt2 (default gpt2; --quick: tiny)")
+    p.add_argument("--model", help="a model preset (default gpt2; --quick: tiny); the torch "
+                   "variants need a GPT-2 one")
     p.add_argument("--batch", type=int, help="sequences per step (default 16; --quick: 4)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 1024; --quick: 64)")
     p.add_argument("--steps", type=int, help="training steps of each run (default 400; "
@@ -323,7 +376,7 @@ def parse_args(argv):
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f32"),
                    help="bf16: mixed precision on both sides (default); f32: float32 with TF32 "
                         "matrix products on a GPU")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"runs per seed, comma-separated, of {', '.join(VARIANTS)} (default "
                         f"all); gaps are taken against torch")
     p.add_argument("--windows", help="window edges in steps, comma-separated: windows (a, b] "
@@ -364,13 +417,18 @@ def main(argv=None) -> int:
         saved = [json.loads(Path(path).read_text()) for path in a.report]
         runs = [r for s in saved for r in s["runs"]]
         present = {r["variant"] for r in runs}
-        print(report(runs, [v for v in VARIANTS if v in present], saved[0]["settings"]["windows"]))
+        windows = saved[0]["settings"]["windows"]
+        print(report(runs, [v for v in VARIANTS if v in present], windows))
+        print(fp8_report(runs, windows))
         return 0
     wants_torch = any(v.startswith("torch") for v in a.variants)
     if wants_torch:
         import_torch()
         export_hf = import_export_hf()
-    config = gpt2.PRESETS[a.model]
+    config = get_config(a.model)
+    if wants_torch and family_of(config).NAME != "gpt2":
+        raise SystemExit(f"benchmarks.fidelity: the torch variants train GPT-2 only; --model "
+                         f"{a.model} runs our variants alone (--variants ours-ffi,ours-fp8,...)")
     tcfg = train.TrainConfig(steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup,
                              dtype=a.dtype)
     lrs = learning_rates(tcfg)
@@ -392,7 +450,11 @@ def main(argv=None) -> int:
           f"{jax.__version__}" + (f", torch {settings['torch']} on {settings['torch_device']}"
                                    if wants_torch else ""), flush=True)
 
-    ours = {v: Ours(config, tcfg, v.split("-")[1]) for v in a.variants if v.startswith("ours")}
+    ours = {}
+    for v in a.variants:
+        if v in OURS:
+            ops_name, fields, noise = OURS[v]
+            ours[v] = Ours(config, dataclasses.replace(tcfg, **fields), ops_name, noise)
     runs = []
     for seed in a.seeds:
         inputs, targets = draw_batches(shards, a.batch, a.seq, a.steps, seed)
@@ -419,6 +481,7 @@ def main(argv=None) -> int:
                     write_json(a.json, settings, lrs, runs, a.variants, windows)
     print()
     print(report(runs, a.variants, windows))
+    print(fp8_report(runs, windows))
     return 0
 
 

@@ -5,6 +5,12 @@ PyTorch is not a dependency of blujax: this runs where it is installed.
 
     python -m benchmarks.torch_llama --model llama-d12 --seq 1024 --batch 16,32
     python -m benchmarks.torch_llama --model llama-1b --seq 2048 --batch 4,8
+    python -m benchmarks.torch_llama --model llama-1b --seq 2048 --batch 8 --float8 off,tensorwise
+
+--float8 also trains the blocks' linear layers in float8 through torchao
+(convert_to_float8_training with the recipe named: "tensorwise", torchtitan's default, dynamic
+per-tensor scales; or "rowwise"), as torchtitan does; the LM head stays bf16. torchao is not a
+dependency either.
 
 Prints one JSON row per batch size (tokens/s, step ms, MFU against 800 and 989 TFLOP/s with
 blujax's FLOP count, peak memory) and a table last.
@@ -82,8 +88,12 @@ def build(torch, config):
     return Llama()
 
 
-def run(torch, config, seq, batch, steps):
+def run(torch, config, seq, batch, steps, float8="off"):
     model = build(torch, config).cuda()
+    if float8 != "off":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8),
+                                   module_filter_fn=lambda m, fqn: fqn.startswith("blocks"))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     step_fn = torch.compile(model)
     x = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
@@ -112,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", default="16,32", help="batch sizes, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    p.add_argument("--float8", default="off",
+                   help="torchao float8 recipes, comma-separated: off, tensorwise, rowwise")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)
     import torch
@@ -122,10 +134,11 @@ def main(argv=None) -> int:
     config = llama.PRESETS[a.model]
     flops_token = llama.flops_per_token(config, a.seq)
     rows = []
-    for batch in (int(b) for b in a.batch.split(",")):
-        step_s, mem, loss = run(torch, config, a.seq, batch, a.steps)
+    for batch, float8 in ((int(b), f) for b in a.batch.split(",") for f in a.float8.split(",")):
+        step_s, mem, loss = run(torch, config, a.seq, batch, a.steps, float8)
         tok_s = batch * a.seq / step_s
-        row = {"ops": "torch", "model": a.model, "dtype": "bf16", "batch": batch, "seq": a.seq,
+        row = {"ops": "torch", "model": a.model, "dtype": "bf16", "float8": float8,
+               "batch": batch, "seq": a.seq,
                "tokens_per_s": tok_s, "step_ms": step_s * 1e3,
                "mfu": flops_token * tok_s / 800e12, "mfu_989": flops_token * tok_s / 989e12,
                "peak_gb": mem / 1e9, "loss": loss, "torch": torch.__version__}
@@ -135,10 +148,11 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print("| batch | tokens/s | step ms | MFU (800) | MFU (989) | peak GB |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | float8 | tokens/s | step ms | MFU (800) | MFU (989) | peak GB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['tokens_per_s'] / 1e3:.1f}K | {r['step_ms']:.1f} | "
+        print(f"| {r['batch']} | {r['float8']} | {r['tokens_per_s'] / 1e3:.1f}K | "
+              f"{r['step_ms']:.1f} | "
               f"{r['mfu']:.1%} | {r['mfu_989']:.1%} | {r['peak_gb']:.1f} |")
     return 0
 

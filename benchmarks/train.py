@@ -2,7 +2,7 @@
 plain-JAX model (ops=xla, with cuDNN attention on a GPU), side by side in one run.
 
     python -m benchmarks.train [--model gpt2] [--seq 1024] [--batch 16,32,64] [--ops ffi,xla]
-                               [--dtype bf16,f32] [--steps 10] [--profile DIR]
+                               [--dtype bf16,f32] [--fp8 off,on] [--steps 10] [--profile DIR]
 
 For each (dtype, batch, ops): the jitted step (donated state, one micro-batch) is compiled,
 run twice to warm up, then timed step by step (each waited for) for --steps steps; the median
@@ -42,30 +42,37 @@ def program_bytes(compiled) -> int | None:
 
 
 def run_one(config, seq, batch, ops_name, dtype, steps, remat="none", profile_dir=None,
-            scan_layers=None):
+            scan_layers=None, fp8="off"):
+    mode, _, scaling = fp8.partition(":")
     tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat,
-                             scan_layers=scan_layers)
+                             scan_layers=scan_layers, fp8=mode,
+                             fp8_scaling=scaling or "dynamic")
     ops = model_ops.get(ops_name)
     state = train.init_state(config, tcfg, jax.random.key(0), ops)
     step = train.make_train_step(config, tcfg, ops)
     tokens = jax.random.randint(jax.random.key(1), (1, batch, seq + 1), 0, config.vocab_size)
     x, y = tokens[..., :-1], tokens[..., 1:]
+    if state.fp8 is not None:  # delayed scaling's first step is its own program: take it
+        state, _ = step(state, x, y)
     t0 = time.perf_counter()
     compiled = step.lower(state, x, y).compile()
     compile_s = time.perf_counter() - t0
     mem = program_bytes(compiled)
+    hlo = compiled.as_text() or ""
     state, m, step_s = time_steps(compiled, state, x, y, steps)
     if profile_dir:
         _profile(compiled, state, x, y, profile_dir)
     tok_s = batch * seq / step_s
     peak = train.peak_flops(jax.devices()[0], dtype)
     flops = model.family_of(config).flops_per_token(config, seq) * tok_s
-    row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": seq, "remat": remat,
-           "scan_layers": scan_layers,
+    row = {"ops": ops_name, "dtype": dtype, "fp8": fp8, "batch": batch, "seq": seq,
+           "remat": remat, "scan_layers": scan_layers,
            "step_ms": step_s * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12,
            "mfu": flops / peak if peak else None, "mfu_989": flops / 989e12,
            "program_gb": mem / 1e9 if mem is not None else None,
-           "compile_s": compile_s, "loss": float(m["loss"])}
+           "compile_s": compile_s, "loss": float(m["loss"]),
+           # FP8 products as XLA runs them: cuBLASLt FP8 calls (Triton FP8 GEMMs aside).
+           "cublas_f8_calls": hlo.count("cublas$lt$matmul$f8")}
     del state, compiled, step
     gc.collect()
     return row
@@ -172,6 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--scan-layers", default="auto", choices=("auto", "on", "off"),
                    help="run the blocks under lax.scan (on), as a Python loop (off), or as "
                         "gpt2.forward picks: a loop on GPUs (auto, the default)")
+    p.add_argument("--fp8", default="off",
+                   help="FP8 block products, comma-separated: off, on (where they pay), all, "
+                        "each with an optional :dynamic or :delayed scaling (default off)")
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)
@@ -185,16 +195,17 @@ def main(argv=None) -> int:
     for dtype in a.dtype.split(","):
         for batch in (int(b) for b in a.batch.split(",")):
             for ops_name in a.ops.split(","):
-                try:
-                    row = run_one(config, a.seq, batch, ops_name, dtype, a.steps, a.remat,
-                                  a.profile if first else None, scan_layers)
-                except Exception as e:  # out of memory, say: record it, go on
-                    msg = str(e).splitlines()[0][:160]
-                    row = {"ops": ops_name, "dtype": dtype, "batch": batch, "seq": a.seq,
-                           "error": msg}
-                first = False
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for fp8 in a.fp8.split(","):
+                    try:
+                        row = run_one(config, a.seq, batch, ops_name, dtype, a.steps, a.remat,
+                                      a.profile if first else None, scan_layers, fp8)
+                    except Exception as e:  # out of memory, say: record it, go on
+                        msg = str(e).splitlines()[0][:160]
+                        row = {"ops": ops_name, "dtype": dtype, "fp8": fp8, "batch": batch,
+                               "seq": a.seq, "error": msg}
+                    first = False
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if a.json:
         Path(a.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(table(rows))
@@ -202,21 +213,28 @@ def main(argv=None) -> int:
 
 
 def table(rows) -> str:
-    ok = {(r["dtype"], r["batch"], r["ops"]): r for r in rows if "error" not in r}
-    lines = ["| dtype | batch | ops | tokens/s | ffi / xla | step ms | TFLOP/s | MFU | "
-             "program GB |", "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown rows; ffi / xla compares the same dtype, batch and fp8, and fp8 / off the same
+    dtype, batch and ops without FP8."""
+    ok = {(r["dtype"], r["batch"], r["ops"], r.get("fp8", "off")): r
+          for r in rows if "error" not in r}
+    lines = ["| dtype | fp8 | batch | ops | tokens/s | ffi / xla | fp8 / off | step ms | "
+             "TFLOP/s | MFU | program GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        fp8 = r.get("fp8", "off")
         if "error" in r:
-            lines.append(f"| {r['dtype']} | {r['batch']} | {r['ops']} | failed: {r['error']} "
-                         "| | | | | |")
+            lines.append(f"| {r['dtype']} | {fp8} | {r['batch']} | {r['ops']} | failed: "
+                         f"{r['error']} | | | | | | |")
             continue
-        xla = ok.get((r["dtype"], r["batch"], "xla"))
+        xla = ok.get((r["dtype"], r["batch"], "xla", fp8))
         ratio = (f"{r['tokens_per_s'] / xla['tokens_per_s']:.2f}x"
                  if xla and r["ops"] == "ffi" else "")
+        off = ok.get((r["dtype"], r["batch"], r["ops"], "off"))
+        gain = f"{r['tokens_per_s'] / off['tokens_per_s']:.3f}x" if off and fp8 != "off" else ""
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         gb = f"{r['program_gb']:.1f}" if r["program_gb"] is not None else "n/a"
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['ops']} | {r['tokens_per_s'] / 1e3:.1f}K "
-                     f"| {ratio} | {r['step_ms']:.1f} | {r['tflops']:.0f} | {mfu} | {gb} |")
+        lines.append(f"| {r['dtype']} | {fp8} | {r['batch']} | {r['ops']} | "
+                     f"{r['tokens_per_s'] / 1e3:.1f}K | {ratio} | {gain} | {r['step_ms']:.1f} | "
+                     f"{r['tflops']:.0f} | {mfu} | {gb} |")
     return "\n".join(lines)
 
 

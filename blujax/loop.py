@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from blujax import fp8
 from blujax.checkpoint import (NO_MANIFEST, CheckpointError, Checkpointer, EarlierLayout,
                                Restored)
 from blujax.data import DataError
@@ -267,14 +268,21 @@ class StopRequest:
 
 
 def checkpoint_tree(state: TrainState, **extras) -> dict:
-    """What a checkpoint holds: the state's params, opt_state and step, and `extras`."""
-    return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
-            **extras}
+    """What a checkpoint holds: the state's params, opt_state and step, delayed FP8 scaling's
+    amax histories where the state has them ("fp8"), and `extras`."""
+    tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    if state.fp8 is not None:
+        tree["fp8"] = state.fp8.amaxes
+    return {**tree, **extras}
 
 
 def state_of(tree: dict) -> TrainState:
-    """The TrainState of a checkpoint_tree."""
-    return TrainState(tree["step"], tree["params"], tree["opt_state"])
+    """The TrainState of a checkpoint_tree (an FP8 history restored past step 0 is calibrated:
+    the next step scales by it, as the run that saved it would have)."""
+    history = None
+    if "fp8" in tree:
+        history = fp8.History(tree["fp8"], calibrated=int(jax.device_get(tree["step"])) > 0)
+    return TrainState(tree["step"], tree["params"], tree["opt_state"], history)
 
 
 def restore_latest(directory, like: dict, *, config=None, params_only: bool = False,

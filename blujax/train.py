@@ -39,12 +39,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from blujax import kernels, optim
+from blujax import fp8 as fp8_lib, kernels, optim
 from blujax.model import family_of
 from blujax.model.family import ONE_DEVICE
 from blujax.model.stack import remat_mode
 from blujax.sharding.layout import Layout, fsdp_axes_of, state_shardings
-from blujax.sharding.mesh import BATCH_AXES, CONTEXT, FSDP, TENSOR, check_batch, mesh_sizes
+from blujax.sharding.mesh import (AXES, BATCH_AXES, CONTEXT, FSDP, TENSOR, check_batch,
+                                  mesh_sizes)
 from blujax.sharding.parallel import Parallel, fsdp_dims, vary
 from blujax.sharding.ring import zigzag
 
@@ -68,6 +69,11 @@ class TrainConfig:
     # the matrix products' and attention's outputs) or "full" (each block); True is "full".
     remat: str = "none"
     scan_layers: bool | None = None  # see gpt2.forward; None: a loop on GPUs, a scan elsewhere
+    # FP8 block products (blujax.fp8): "off", "on" (where they pay: fp8.pays) or "all"; their
+    # scaling ("dynamic" or "delayed") and the gradients' format ("e5m2" or "e4m3").
+    fp8: str = "off"
+    fp8_scaling: str = "dynamic"
+    fp8_grad: str = "e5m2"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -77,6 +83,13 @@ class TrainConfig:
             object.__setattr__(self, "remat", remat_mode(self.remat))
         except ValueError as e:
             raise ValueError(f"TrainConfig.{e}") from None
+        if self.fp8 not in fp8_lib.MODES:
+            raise ValueError(f"TrainConfig.fp8 must be one of {', '.join(fp8_lib.MODES)}, got "
+                             f"{self.fp8!r}")
+        try:
+            fp8_lib.Recipe(self.fp8_scaling, self.fp8_grad)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig: {e}") from None
         # Every number checked here, once: a NaN, an inf or a sign slip otherwise trains on
         # quietly (a negative grad_clip reverses every step, lr = inf makes NaN params).
         # warmup_steps may exceed steps: the warmup then never finishes, a well-defined ramp.
@@ -95,6 +108,13 @@ class TrainConfig:
     def compute_dtype(self):
         return DTYPES[self.dtype]
 
+    @property
+    def fp8_recipe(self) -> fp8_lib.Recipe | None:
+        """The FP8 products' recipe, or None when fp8 is "off"."""
+        if self.fp8 == "off":
+            return None
+        return fp8_lib.Recipe(self.fp8_scaling, self.fp8_grad, every=self.fp8 == "all")
+
 
 def _check_int(name, value, *, low):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
@@ -112,6 +132,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 [], steps taken
     params: Any      # float32 master weights
     opt_state: Any
+    fp8: Any = None  # delayed FP8 scaling's amax histories (blujax.fp8.History), else None
 
 
 def schedule(tcfg: TrainConfig):
@@ -209,7 +230,8 @@ def state_from_params(config, params, tcfg: TrainConfig, ops=kernels) -> TrainSt
     on one device (place_state puts it on a mesh)."""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     init = make_optimizer(tcfg, ops, family_of(config).decay_mask).init
-    return TrainState(jnp.zeros([], jnp.int32), params, jax.jit(init)(params))
+    return TrainState(jnp.zeros([], jnp.int32), params, jax.jit(init)(params),
+                      fp8_lib.init_history(tcfg.fp8_recipe, config.n_layer))
 
 
 def place_state(state: TrainState, config, mesh, *, shard_optimizer: bool = False):
@@ -295,20 +317,24 @@ def _device(config, mesh, collective_matmul=False, reduce_in_backward=False,
 
 
 def _local_loss(params, inputs, targets, *, config, ops, dtype, remat, dev, n_tokens,
-                scan_layers=None):
+                scan_layers=None, fp8=None, amaxes=None):
     """This device's share of the mean loss: the sum of its tokens' losses / n_tokens (all
     tokens of the micro-batch), so the shares add up to the mean over "data" and "context";
-    the same on every device of "tensor"."""
+    the same on every device of "tensor". fp8: the FP8 recipe or None; amaxes: delayed
+    scaling's histories (History.amaxes)."""
+    layers = None if fp8 is None else fp8_lib.Layer(fp8, amaxes)
     logits = family_of(config).forward(params, inputs, config=config, ops=ops, dtype=dtype,
                                        remat=remat, parallel=None if not dev.sizes else dev.par,
-                                       scan_layers=scan_layers)
+                                       scan_layers=scan_layers, fp8=layers)
     vocab = logits.shape[-1]  # this device's slice of the padded vocabulary
     return dev.par.loss(ops, logits.reshape(-1, vocab), targets.reshape(-1),
                         num_classes=config.vocab_size, n_tokens=n_tokens)
 
 
-def _accumulate(loss, params, inputs, targets, dev: _Device):
-    """(loss share, grads) summed over the micro-batches [accum, B, T], then averaged.
+def _accumulate(loss, params, inputs, targets, dev: _Device, amaxes=None):
+    """(loss share, grads) summed over the micro-batches [accum, B, T], then averaged; with
+    delayed FP8 scaling's `amaxes` (loss(params, inputs, targets, amaxes=)), (loss share,
+    grads, the new amaxes: their max over the micro-batches and, on a mesh, the devices).
 
     On a mesh the params are cast to varying over every axis first: each device's gradient is
     then its own contribution, and the reduction over devices happens once, after the last
@@ -318,18 +344,39 @@ def _accumulate(loss, params, inputs, targets, dev: _Device):
     """
     if dev.sizes and not dev.reduce_in_backward:
         params = vary(params)
-    grad = jax.value_and_grad(loss)
+    if amaxes is None:
+        grad = jax.value_and_grad(loss)
+    else:
+        if dev.sizes:
+            amaxes = vary(amaxes)
+
+        def both(params, amaxes, inputs, targets):
+            return loss(params, inputs, targets, amaxes=amaxes)
+
+        grad = jax.value_and_grad(both, argnums=(0, 1))
 
     def micro(acc, batch):
-        return jax.tree.map(jnp.add, acc, grad(params, *batch)), None
+        if amaxes is None:
+            return jax.tree.map(jnp.add, acc, grad(params, *batch)), None
+        value, (g, new) = grad(params, amaxes, *batch)
+        return (acc[0] + value, jax.tree.map(jnp.add, acc[1], g),
+                fp8_lib.merge(acc[2], new)), None
 
     zero = jnp.zeros([], jnp.float32)
     if dev.sizes:
         zero = vary(zero, (*BATCH_AXES, CONTEXT))
-    (value, grads), _ = jax.lax.scan(micro, (zero, jax.tree.map(jnp.zeros_like, params)),
-                                     (inputs, targets))
+    init = (zero, jax.tree.map(jnp.zeros_like, params))
+    if amaxes is not None:
+        init += (jax.tree.map(jnp.zeros_like, amaxes),)
+    out, _ = jax.lax.scan(micro, init, (inputs, targets))
     n = inputs.shape[0]
-    return value / n, jax.tree.map(lambda g: g / n, grads)
+    value, grads = out[0] / n, jax.tree.map(lambda g: g / n, out[1])
+    if amaxes is None:
+        return value, grads
+    new = out[2]
+    if dev.sizes:
+        new = jax.tree.map(lambda a: jax.lax.pmax(a, AXES), new)
+    return value, grads, new
 
 
 def _sharded(f, mesh, dev, in_specs, out_specs):
@@ -379,13 +426,26 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
     dev = _device(config, mesh, collective_matmul, reduce_in_backward, keep_gathered)
     optimizer = make_optimizer(tcfg, ops, family.decay_mask)
     lr_at = schedule(tcfg)
-    loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
-                   remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev)
+    recipe = tcfg.fp8_recipe
 
     def body(layout, state, inputs, targets):
         n_tokens = inputs.shape[1] * inputs.shape[2] * dev.token_shards
-        value, grads = _accumulate(partial(loss, n_tokens=n_tokens), state.params, inputs,
-                                   targets, dev)
+        history = state.fp8
+        if (history is None) != (recipe is None or not recipe.delayed):
+            raise ValueError("train step: the state's FP8 amax history does not match "
+                             "TrainConfig's fp8 settings (make the state with init_state or "
+                             "state_from_params of the same TrainConfig)")
+        step_recipe = recipe
+        if history is not None and not history.calibrated:  # a fresh history: scale now
+            step_recipe = dataclasses.replace(recipe, calibrating=True)
+        loss = partial(_local_loss, config=config, ops=ops, dtype=tcfg.compute_dtype,
+                       remat=tcfg.remat, scan_layers=tcfg.scan_layers, dev=dev,
+                       n_tokens=n_tokens, fp8=step_recipe)
+        if history is None:
+            value, grads = _accumulate(loss, state.params, inputs, targets, dev)
+        else:
+            value, grads, amaxes = _accumulate(loss, state.params, inputs, targets, dev,
+                                               history.amaxes)
         grads = layout.reduce(grads, reduced=dev.reduce_in_backward)
         norm = layout.global_norm(grads)
         value = dev.psum(value)
@@ -402,7 +462,9 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
         params = layout.zero_gather(params)
         metrics = {"loss": value, "grad_norm": norm, "lr": lr_at(state.step).astype(jnp.float32),
                    "skipped": 1.0 - finite.astype(jnp.float32)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if history is not None:
+            history = fp8_lib.stepped(history, amaxes, finite)
+        return TrainState(state.step + 1, params, opt_state, history), metrics
 
     def step(state, inputs, targets):
         check_micro_batches(inputs, targets, tcfg)
@@ -411,8 +473,10 @@ def make_train_step(config, tcfg: TrainConfig, ops=kernels, mesh=None, *,
             return body(layout, state, inputs, targets)
         check_batch(inputs.shape, dev.sizes, config)
         specs = layout.state_specs(state)
+        out = specs if state.fp8 is None else specs._replace(
+            fp8=fp8_lib.History(specs.fp8.amaxes, True))
         run = _sharded(partial(body, layout), mesh, dev,
-                       (specs, _MICRO_BATCHES, _MICRO_BATCHES), (specs, P()))
+                       (specs, _MICRO_BATCHES, _MICRO_BATCHES), (out, P()))
         return run(state, inputs, targets)
 
     return jax.jit(step, donate_argnums=0)

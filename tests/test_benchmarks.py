@@ -103,3 +103,30 @@ def test_memory_compiles_and_compares_with_the_formula(tmp_path, capsys):
     # the tensor split halves the per-device params
     assert abs(rows[1]["params_gb"] - rows[0]["params_gb"] / 2) < 0.1 * rows[0]["params_gb"]
     assert "| formula / XLA |" in capsys.readouterr().out
+
+
+def test_fp8_product_benchmark_runs_on_the_cpu(capsys):
+    """benchmarks.fp8 on a tiny product: a row per shape, bf16 and both scalings timed."""
+    from benchmarks import fp8 as bench
+    assert bench.main(["--tokens", "64", "--shapes", "32x48", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | 32x48 |" in out and "bf16/dynamic" in out and "bf16/delayed" in out
+
+
+def test_fidelity_reports_fp8_against_its_noise_floor():
+    """The FP8 table: each FP8 run's window gap to ours-ffi of its seed beside ours-noise's and
+    the seed-to-seed floor, judged against twice the latter, and the largest one-step excess
+    (a spike)."""
+    from benchmarks import fidelity
+    runs = []
+    for seed in (0, 1):
+        for variant, shift, spike in (("ours-ffi", 0.0, 0.0), ("ours-fp8", 0.01, 0.5),
+                                      ("ours-noise", 0.02, 0.0)):
+            loss = [3.0 - 0.01 * i + shift + 0.01 * seed for i in range(8)]
+            loss[5] += spike
+            runs.append({"seed": seed, "variant": variant, "loss": loss,
+                         "windows": fidelity.window_means(loss, [0, 4, 8])})
+    text = fidelity.fp8_report(runs, ["0-4", "4-8"])
+    # The seed-to-seed floor: the sd of ours-ffi's window means, 0.01 / sqrt(2).
+    assert "| 0-4 | +0.0100 ± 0.0000 | +0.0200 ± 0.0000 | 0.0071 | ours-fp8 yes |" in text
+    assert "ours-fp8 +0.5100" in text

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from blujax import evaluate, interop, model, processes
+from blujax import evaluate, fp8, interop, model, processes
 from blujax.model.stack import REMAT
 from blujax.cli.settings import SAMPLE_PROMPT, SAVE_MINUTES, defaults
 
@@ -165,6 +165,17 @@ def _add_training_flags(t: argparse.ArgumentParser, both):
                         "the norms and activations, keeping the matrix products' and "
                         "attention's outputs; none (default: selective for models of 4B "
                         "parameters or more, such as llama-8b, else none)")
+    t.add_argument("--fp8", nargs="?", const="on", choices=fp8.MODES, metavar="all",
+                   help="the blocks' matrix products in FP8 (float8 e4m3 operands, e5m2 "
+                        "gradients, per-tensor scales): on (the flag alone) where FP8 is "
+                        "measured to pay (both widths of the product at least "
+                        f"{fp8.MIN_WIDTH}); all: every block product; off (default). The LM "
+                        "head stays in --dtype. Recorded in config.json and kept on --resume")
+    t.add_argument("--fp8-scaling", choices=fp8.SCALINGS,
+                   help="how --fp8 finds each tensor's scale: delayed (from the largest "
+                        "absolute value of the last 16 steps, kept in checkpoints) or dynamic "
+                        f"(from the tensor itself, one more pass) (default: "
+                        f"{fp8.DEFAULT_SCALING})")
     t.add_argument("--eval-every", type=int, help="validate every this many steps and at the "
                    "end; 0: never (default: a tenth of --steps)")
     t.add_argument("--save-every", type=int, help="checkpoint every this many steps and at the "

@@ -33,8 +33,10 @@ def header(s: TrainSettings, model_config, config: dict, source, tokens: int, n_
                  + f", {_mesh(vars(s))}")
     return (f"{model.family_of(model_config).TITLE} {s.model}: "
             f"{config['model']['params'] / 1e6:.1f}M parameters"
-            + (f" from {s.init_from}" if s.init_from else "") + f", {s.ops} ops, {s.dtype}, "
-            f"on {where}; data: {source.description}, {tokens:,} training tokens; "
+            + (f" from {s.init_from}" if s.init_from else "") + f", {s.ops} ops, {s.dtype}"
+            + (f" with FP8 products ({s.fp8}, {s.fp8_scaling} scaling)" if s.fp8 != "off"
+               else "")
+            + f", on {where}; data: {source.description}, {tokens:,} training tokens; "
             f"{s.batch} x {s.seq} tokens per step"
             + (f" in {s.accum} micro-batches" if s.accum > 1 else "")
             + (f"; resuming after step {resumed_at}" if resumed_at is not None else "")

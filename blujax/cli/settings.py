@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from blujax import model, processes
+from blujax import fp8 as fp8_lib, model, processes
 from blujax.interop import InteropError
 from blujax.loop import TrainingError, plural
 from blujax.metrics import MetricsError
@@ -60,6 +60,8 @@ class TrainSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     remat: str = "none"  # blujax.model.stack.REMAT; new runs: blujax.model.default_remat
+    fp8: str = "off"  # FP8 block products (blujax.fp8.MODES) and their scaling
+    fp8_scaling: str = fp8_lib.DEFAULT_SCALING
     eval_every: int | None = None
     eval_batches: int = 4
     save_every: int | None = None
@@ -88,12 +90,13 @@ class TrainSettings:
 ACCELERATOR_DEFAULTS = dict(model="gpt2", steps=200, batch=16, seq=1024, dtype="bf16",
                             lr=6e-4, eval_batches=8)
 COMPUTE_KEYS = ("model", "steps", "batch", "seq", "accum", "ops", "dtype", "seed", "lr",
-                "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat", "init_from")
+                "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "remat", "init_from",
+                "fp8", "fp8_scaling")
 # How the run is spread over devices: the same numbers up to rounding, so a resumed run keeps
 # the run's values unless given, and may change them (then not bit for bit).
 PARALLEL_KEYS = ("dp", "tp", "cp", "fsdp", "zero")
 # Settings that runs of earlier versions lack (config.json): they take their defaults there.
-ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag", "save_minutes")
+ADDED_KEYS = (*PARALLEL_KEYS, "init_from", "hellaswag", "save_minutes", "fp8", "fp8_scaling")
 # A run checkpoints every tenth of its steps or every SAVE_MINUTES, whichever comes first,
 # unless --save-every / --save-minutes say otherwise (see _save_rule).
 SAVE_MINUTES = 10.0
@@ -302,4 +305,5 @@ def run_model_config(run: dict):
 def training_config(s: TrainSettings) -> TrainConfig:
     return TrainConfig(steps=s.steps, learning_rate=s.lr, min_lr_ratio=s.min_lr_ratio,
                        warmup_steps=s.warmup, weight_decay=s.weight_decay,
-                       grad_clip=s.grad_clip, accum_steps=s.accum, dtype=s.dtype, remat=s.remat)
+                       grad_clip=s.grad_clip, accum_steps=s.accum, dtype=s.dtype, remat=s.remat,
+                       fp8=s.fp8, fp8_scaling=s.fp8_scaling)

@@ -195,12 +195,16 @@ class OneDevice:
         return jax.lax.dynamic_slice_in_dim(table, 0, length)
 
     @staticmethod
-    def gather_matmul(x, w):
-        return saved(x @ w)
+    def gather_matmul(x, w, name=None, dot=jnp.matmul):
+        return saved(dot(x, w))
 
     @staticmethod
-    def matmul_reduce(x, w):
-        return saved(x @ w)
+    def matmul_reduce(x, w, name=None, dot=jnp.matmul):
+        return saved(dot(x, w))
+
+    @staticmethod
+    def amax_reduce(a):
+        return a
 
     @staticmethod
     def attention(ops):

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from blujax import vocab
+from blujax.fp8 import Hooks as Fp8Hooks, Layer as Fp8Layer
 from blujax.model import family
 from blujax.model.family import ATTENTION, GATHERED, MATMUL, ONE_DEVICE, Attend
 
@@ -94,7 +95,7 @@ class Decoder:
     rope: Callable | None = None
 
     def forward(self, params, tokens, *, config, ops, dtype=jnp.float32, remat: bool = False,
-                parallel=None, scan_layers: bool | None = None):
+                parallel=None, scan_layers: bool | None = None, fp8=None):
         """Logits [B, T, padded_vocab_size] in `dtype` for int tokens [B, T], T <= block_size.
 
         The float32 params are cast to `dtype` (bfloat16: mixed precision; the kernels keep
@@ -106,9 +107,12 @@ class Decoder:
         parallel: None on one device. Inside `shard_map`, a `blujax.sharding.Parallel`: the
         params and tokens are then this device's shards and the logits its block
         [B, T_local, padded_vocab_size / tensor] (see blujax/sharding/parallel.py).
+
+        fp8: None, or a `blujax.fp8.Layer` of every layer (its histories stacked as the blocks
+        are): the blocks' products in FP8 as its recipe says.
         """
         par = ONE_DEVICE if parallel is None else parallel
-        p, carry = self._run(params, tokens, config, ops, dtype, remat, par, scan_layers)
+        p, carry = self._run(params, tokens, config, ops, dtype, remat, par, scan_layers, fp8)
         return par.gather_matmul(self.norm(p, carry, config=config, ops=ops),
                                  self.head_weight(p).T)
 
@@ -126,7 +130,7 @@ class Decoder:
     def check_tokens(self, tokens, config):
         family.check_tokens(self.name, tokens, config.block_size)
 
-    def _run(self, params, tokens, config, ops, dtype, remat, par, scan_layers):
+    def _run(self, params, tokens, config, ops, dtype, remat, par, scan_layers, fp8=None):
         """(the params but the blocks, in dtype; the carry after the last block)."""
         self.check_tokens(tokens, config)
         p = par.take({k: v for k, v in params.items() if k != "blocks"}, dtype)
@@ -137,7 +141,7 @@ class Decoder:
                         attend=par.attention(ops), rope=rope)
         carry = self.embed(p, tokens, config=config, par=par, start=0)
         return p, run_layers(block, carry, params["blocks"], dtype=dtype, par=par,
-                             remat=remat, scan_layers=scan_layers)
+                             remat=remat, scan_layers=scan_layers, fp8=fp8)
 
     def _rope(self, config, at):
         return None if self.rope is None else tuple(at(t) for t in self.rope(config))
@@ -183,12 +187,18 @@ class Decoder:
 
 
 def run_layers(block, carry, blocks, *, dtype, par=ONE_DEVICE, remat=False,
-               scan_layers: bool | None = None):
-    """`carry` through block(layer, carry) -> (carry, _) for every layer of the stacked
+               scan_layers: bool | None = None, fp8=None):
+    """`carry` through block(layer, carry, par=) -> (carry, _) for every layer of the stacked
     `blocks`, each layer's params taken (par.take: shared, in dtype, gathered) where it runs;
-    remat: what the backward recomputes (remat_mode); scan_layers as Decoder.forward's."""
-    def step(carry, layer):
-        carry, _ = block(par.take(layer, dtype, within="blocks"), carry)
+    remat: what the backward recomputes (remat_mode); scan_layers as Decoder.forward's; fp8:
+    a blujax.fp8.Layer of all the layers or None (each block then gets fp8.Hooks of its
+    own layer's histories)."""
+    histories = None if fp8 is None else fp8.histories
+
+    def step(carry, xs):
+        layer, hist = xs
+        hooks = par if fp8 is None else Fp8Hooks(par, Fp8Layer(fp8.recipe, hist))
+        carry, _ = block(par.take(layer, dtype, within="blocks"), carry, par=hooks)
         return carry, None
 
     policy = checkpoint_policy(remat_mode(remat), par.gathers and par.keep_gathered)
@@ -197,9 +207,9 @@ def run_layers(block, carry, blocks, *, dtype, par=ONE_DEVICE, remat=False,
     if scan_layers is None:
         scan_layers = jax.default_backend() != "gpu"
     if scan_layers:
-        return jax.lax.scan(step, carry, blocks)[0]
+        return jax.lax.scan(step, carry, (blocks, histories))[0]
     for i in range(jax.tree.leaves(blocks)[0].shape[0]):
-        carry, _ = step(carry, jax.tree.map(lambda x: x[i], blocks))
+        carry, _ = step(carry, jax.tree.map(lambda x: x[i], (blocks, histories)))
     return carry
 
 

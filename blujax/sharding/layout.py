@@ -133,10 +133,12 @@ class Layout:
 
     def state_specs(self, state):
         """A TrainState of specs: the params, and every params-shaped subtree of the optimizer
-        state (the moments), by the layout; the other leaves (step counts) replicated."""
+        state (the moments), by the layout; the other leaves (step counts, FP8 amax
+        histories) replicated."""
         return type(state)(P(), self.param_specs(),
                            map_moments(lambda _: self.moment_specs(), state.opt_state,
-                                       self.treedef, other=lambda _: P()))
+                                       self.treedef, other=lambda _: P()),
+                           jax.tree.map(lambda _: P(), state.fp8))
 
     # --- per device, inside the step ---------------------------------------------------------
 

@@ -14,7 +14,8 @@ sequences of T / context tokens (zig-zag chunks, see ring.py), and:
   product's partial results are summed and the sequence split again (reduce-scatter). Their
   transposes are each other, so the backward needs nothing more. With collective_matmul the
   collective is cut into "tensor" steps of `ppermute`, each overlapping one slice of the
-  product (collective matmul), instead of one all-gather / reduce-scatter before / after it.
+  product (collective matmul), instead of one all-gather / reduce-scatter before / after it
+  (FP8 products then scale each slice by its own amax, over all devices).
 - take: parameters as a layer takes them, in the compute dtype. With reduce_in_backward the
   float32 parameters are first cast to varying over the devices that share them here, inside
   the differentiated function, so JAX's transpose of that cast (a psum) reduces each layer's
@@ -122,17 +123,23 @@ class Parallel:
         pos = zigzag_positions(length, self.context, jax.lax.axis_index(CONTEXT))
         return vary(jnp.take(table, pos, axis=0))
 
-    def gather_matmul(self, x, w):
-        """all_gather(x over "tensor", along the sequence) @ w."""
+    def gather_matmul(self, x, w, name=None, dot=jnp.matmul):
+        """dot(all_gather(x over "tensor", along the sequence), w)."""
         if self.collective_matmul and self.tensor > 1:
-            return saved(_gather_matmul(x, w, self.tensor))
-        return saved(jax.lax.all_gather(x, TENSOR, axis=1, tiled=True) @ w)
+            return saved(_gather_matmul(x, w, self.tensor, dot))
+        return saved(dot(jax.lax.all_gather(x, TENSOR, axis=1, tiled=True), w))
 
-    def matmul_reduce(self, x, w):
-        """psum_scatter(x @ w over "tensor", along the sequence)."""
+    def matmul_reduce(self, x, w, name=None, dot=jnp.matmul):
+        """psum_scatter(dot(x, w) over "tensor", along the sequence)."""
         if self.collective_matmul and self.tensor > 1:
-            return saved(_matmul_reduce(x, w, self.tensor))
-        return saved(jax.lax.psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True))
+            return saved(_matmul_reduce(x, w, self.tensor, dot))
+        return saved(jax.lax.psum_scatter(dot(x, w), TENSOR, scatter_dimension=1, tiled=True))
+
+    @staticmethod
+    def amax_reduce(a):
+        """The max over every device: wherever a tensor is split, its parts scale alike (and
+        the batch's, so that a mesh computes what one device does)."""
+        return jax.lax.pmax(a, AXES)
 
     def attention(self, ops) -> Attend:
         if self.context == 1:
@@ -218,7 +225,7 @@ def _local_kv(hl, kv, tp, *xs):
     return tuple(jnp.take(x, index, axis=2) for x in xs)
 
 
-def _gather_matmul(x, w, n):
+def _gather_matmul(x, w, n, dot=jnp.matmul):
     """all_gather(x, TENSOR, axis=1, tiled=True) @ w as n products of one sequence slice each:
     while device i multiplies the slice in hand, it passes that slice on to device i - 1, so
     at step j it holds (and writes the rows of) device i + j's slice."""
@@ -229,7 +236,7 @@ def _gather_matmul(x, w, n):
     for step in range(n):
         # The next slice's transfer is issued first: it does not wait for this product.
         incoming = jax.lax.ppermute(x, TENSOR, to_previous) if step < n - 1 else None
-        y = x @ w
+        y = dot(x, w)
         if out is None:
             out = jnp.zeros((y.shape[0], n * t, *y.shape[2:]), y.dtype)
         out = jax.lax.dynamic_update_slice_in_dim(out, y, ((i + step) % n) * t, axis=1)
@@ -237,7 +244,7 @@ def _gather_matmul(x, w, n):
     return out
 
 
-def _matmul_reduce(x, w, n):
+def _matmul_reduce(x, w, n, dot=jnp.matmul):
     """psum_scatter(x @ w, TENSOR, scatter_dimension=1, tiled=True) as n products of one
     sequence slice each: a running sum travels to device i + 1 while device i multiplies the
     next slice; at step j device i adds slice (i - 1 - j) mod n, ending with its own."""
@@ -246,6 +253,6 @@ def _matmul_reduce(x, w, n):
     to_next = [(j, (j + 1) % n) for j in range(n)]
     acc = None
     for step in range(n):
-        part = jax.lax.dynamic_slice_in_dim(x, ((i - 1 - step) % n) * t, t, axis=1) @ w
+        part = dot(jax.lax.dynamic_slice_in_dim(x, ((i - 1 - step) % n) * t, t, axis=1), w)
         acc = part if acc is None else jax.lax.ppermute(acc, TENSOR, to_next) + part
     return acc

@@ -114,14 +114,14 @@ def block(layer, carry, *, config, ops, par, attend, rope=None):
     s, d, d_bias = carry
     h, s = ops.add_layer_norm(d, s, layer["ln1"]["w"], layer["ln1"]["b"], x_bias=d_bias)
     w, b = layer["attn"]["w"], layer["attn"]["b"]  # [C, 3, H * D] (this device's heads)
-    qkv = par.gather_matmul(h, w.reshape(w.shape[0], -1)) + b.reshape(-1)
+    qkv = par.gather_matmul(h, w.reshape(w.shape[0], -1), "qkv") + b.reshape(-1)
     B, T, _ = qkv.shape
     a, kv = attend.fused(qkv.reshape(B, T, 3, -1, config.head_dim))
-    a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"])
+    a = par.matmul_reduce(a.reshape(B, T, -1), layer["attn_proj"]["w"], "out")
     h, s = ops.add_layer_norm(a, s, layer["ln2"]["w"], layer["ln2"]["b"],
                               x_bias=layer["attn_proj"]["b"])
-    f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"]), layer["mlp_fc"]["b"])
-    m = par.matmul_reduce(f, layer["mlp_proj"]["w"])
+    f = ops.gelu(par.gather_matmul(h, layer["mlp_fc"]["w"], "up"), layer["mlp_fc"]["b"])
+    m = par.matmul_reduce(f, layer["mlp_proj"]["w"], "down")
     return (s, m, match_vma(layer["mlp_proj"]["b"], m)[0]), kv
 
 

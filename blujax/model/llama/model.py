@@ -176,16 +176,18 @@ def block(layer, carry, *, config, ops, par, attend, rope):
     # One product for this device's query, key and value heads (one wide matrix multiplies
     # faster than three narrow ones), split with q and k turned in one pass (rope_qkv).
     wq = layer["wq"]
-    qkv = par.gather_matmul(h, jnp.concatenate([wq, layer["wk"], layer["wv"]], axis=-1))
+    qkv = par.gather_matmul(h, jnp.concatenate([wq, layer["wk"], layer["wv"]], axis=-1),
+                            "qkv")
     if "bq" in layer:  # biases on q, k and v where the family has them (Qwen2)
         qkv = qkv + jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-1)
     q, k, v = ops.rope_qkv(qkv.reshape(*qkv.shape[:2], -1, D), *rope, heads=wq.shape[-1] // D)
     a, kv = attend.heads(q, k, v)
-    a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"])
+    a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"], "out")
     h, s = ops.add_rms_norm(a, s, layer["mlp_norm"], eps=eps)
     w = layer["w_gate_up"]  # [C, 2, F] (this device's F)
-    g = par.gather_matmul(h, w.reshape(w.shape[0], -1))
-    m = par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:2], 2, -1)), layer["w_down"])
+    g = par.gather_matmul(h, w.reshape(w.shape[0], -1), "up")
+    m = par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:2], 2, -1)), layer["w_down"],
+                         "down")
     return (s, m), kv
 
 

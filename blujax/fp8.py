@@ -1,0 +1,277 @@
+"""FP8 matrix products for the blocks' linear layers, with per-tensor scales.
+
+    recipe = fp8.Recipe(scaling="dynamic")           # or "delayed"; grad="e5m2" or "e4m3"
+    y = fp8.matmul(x, w, recipe=recipe)              # x [..., K] @ w [K, N], bfloat16 out
+
+Each product quantizes its two operands to float8_e4m3fn and multiplies them with float32
+accumulation (XLA rewrites `scaled_dot` into one cuBLASLt FP8 call on a Hopper GPU, and
+emulates it elsewhere); its backward quantizes the incoming gradient to `recipe.grad` (e5m2 by
+default: two more exponent bits for the gradients' wide range, as Transformer Engine's hybrid
+recipe) and runs both backward products (dx = g w^T, dw = x^T g) in FP8 too. What the backward
+keeps of the forward is the FP8 copies (one byte an element, half of bfloat16's).
+
+A per-tensor scale maps the tensor's absolute maximum (amax) onto the format's largest finite
+value: x ~ q * scale, q = clip(x / scale). Two ways to know the amax:
+
+- "dynamic" (current): each tensor's own, taken just before it is cast (one more read of it).
+- "delayed": the largest of the last `history` steps' amaxes, kept in the train state
+  (`History`, checkpointed), so the cast needs no pass of its own first. A fresh state
+  (`History.calibrated` False, a static field: the first step is its own program) scales its
+  first step dynamically and records those amaxes. The current amaxes of every product ride
+  back out of the backward as the history's "gradient" (the new history), and the train step
+  takes them as the new state, reduced by max over micro-batches and devices (`merge`).
+
+On a mesh each amax is reduced (max) over every device (`Hooks.amax_reduce`): the devices
+holding parts of one tensor scale it alike, and a mesh computes what one device does.
+
+Which products: the four of every block (PRODUCTS: the attention's input and output
+projections, the MLP's two), where FP8 pays (`pays`: the measured rule; recipe.every puts all
+four in FP8 whatever it says). The LM head and the embedding stay in the compute dtype.
+FP8 is a way to train: evaluation (train.make_eval_step) and sampling multiply in the compute
+dtype, from the same float32 weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+SCALINGS = ("dynamic", "delayed")
+# The command line's default (benchmarks/RESULTS.md: delayed scaling's step is the faster, as
+# its casts need no amax pass of their own first, at the same loss).
+DEFAULT_SCALING = "delayed"
+MODES = ("off", "on", "all")  # TrainConfig.fp8: none, where it pays, every block product
+
+# A block's products, by the names the families' blocks give them.
+PRODUCTS = ("qkv", "out", "up", "down")
+
+# The measured rule (benchmarks/RESULTS.md, "FP8 products"): on an H200 an FP8 product with
+# its casts beats bfloat16 once both the contracted and the output width reach this; below
+# it the casts cost more than the faster product saves.
+MIN_WIDTH = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the FP8 products scale: "dynamic" or "delayed" (see the module's docstring); the
+    gradients' format ("e5m2" or "e4m3"); the delayed amax history's length; every: all of a
+    block's products in FP8, whether or not they pay (--fp8 all); calibrating: delayed scaling's
+    first step (scale by the current amaxes, record them)."""
+
+    scaling: str = "dynamic"
+    grad: str = "e5m2"
+    history: int = 16
+    every: bool = False
+    calibrating: bool = False
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got "
+                             f"{self.scaling!r}")
+        if self.grad not in FORMATS:
+            raise ValueError(f"fp8 gradient format must be one of {', '.join(FORMATS)}, got "
+                             f"{self.grad!r}")
+        if not isinstance(self.history, int) or self.history < 1:
+            raise ValueError(f"fp8 history must be a positive int, got {self.history!r}")
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+
+def pays(k: int, n: int) -> bool:
+    """Whether a product of a [M, k] by a [k, n] matrix runs faster in FP8, casts included
+    (the measured rule; M, the tokens, is large in training)."""
+    return k >= MIN_WIDTH and n >= MIN_WIDTH
+
+
+# --------------------------------------------------------------------------------------------
+# Scales and casts
+
+
+def amax(x):
+    """The absolute maximum of x, float32 []."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_of(a, fmt):
+    """The dequantizing scale for amax `a` in format `fmt`: a / fmt's largest finite value; 1
+    where a is 0 or not finite (nothing to scale, or nothing sensible)."""
+    top = float(jnp.finfo(fmt).max)
+    ok = jnp.isfinite(a) & (a > 0)
+    return jnp.where(ok, a / top, 1.0).astype(jnp.float32)
+
+
+def quantize(x, scale, fmt):
+    """x / scale, saturated to fmt's finite range and rounded to fmt (nearest even)."""
+    top = float(jnp.finfo(fmt).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fmt)
+
+
+def scaled_dot(a, sa, b, sb, dims, dtype):
+    """dot_general of FP8 a, b (contracting `dims`), accumulated in float32, times their scales
+    sa sb, in `dtype`: written as XLA's GEMM rewriter matches it, FP8 operands straight into
+    the dot and the scales on its output (they become the cuBLASLt FP8 call's scale factors
+    and its output type). Dequantizing the operands before the dot instead lets XLA fold the
+    FP8 round trip away into a bfloat16 product."""
+    acc = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+    return (acc * (sa * sb)).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The product
+
+
+def _no_reduce(a):
+    return a
+
+
+def matmul(x, w, history=None, *, recipe: Recipe, amax_reduce: Callable = _no_reduce):
+    """x [..., K] @ w [K, N] in FP8 (x's dtype out). history: this product's float32
+    [3, recipe.history] amaxes of (x, w, the gradient) over the last steps, newest first, for
+    delayed scaling (None for dynamic). amax_reduce: the max over the devices of a mesh.
+
+    Its gradient with respect to `history` is the new history (the current amaxes shifted
+    in), not a derivative: the train step takes it as the next state's (see `merge`)."""
+    if history is None:
+        if recipe.delayed:
+            raise ValueError("fp8: delayed scaling needs the product's amax history")
+        history = jnp.zeros((3, 0), jnp.float32)
+    if x.shape[-1] != w.shape[0] or w.ndim != 2:
+        raise ValueError(f"fp8.matmul: x {x.shape} @ w {w.shape} do not multiply")
+    return _matmul(x, w, history, recipe, amax_reduce)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _matmul(x, w, history, recipe, amax_reduce):
+    return _matmul_fwd(x, w, history, recipe, amax_reduce)[0]
+
+
+def _scales(current, history, row, fmt, recipe):
+    """The scale of one operand: from its history (delayed, calibrated) or its current amax."""
+    if recipe.delayed and not recipe.calibrating:
+        return scale_of(jnp.max(history[row]), fmt)
+    return scale_of(current, fmt)
+
+
+def _matmul_fwd(x, w, history, recipe, amax_reduce):
+    ax, aw = amax_reduce(amax(x)), amax_reduce(amax(w))
+    sx, sw = _scales(ax, history, 0, E4M3, recipe), _scales(aw, history, 1, E4M3, recipe)
+    xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = scaled_dot(xq, sx, wq, sw, ((x.ndim - 1,), (0,)), x.dtype)
+    return y, (xq, sx, wq, sw, ax, aw, history)
+
+
+def _matmul_bwd(recipe, amax_reduce, res, g):
+    xq, sx, wq, sw, ax, aw, history = res
+    dtype = g.dtype
+    fmt = FORMATS[recipe.grad]
+    ag = amax_reduce(amax(g))
+    sg = _scales(ag, history, 2, fmt, recipe)
+    gq = quantize(g, sg, fmt)
+    dx = scaled_dot(gq, sg, wq, sw, ((g.ndim - 1,), (1,)), dtype)
+    K, N = wq.shape
+    dw = scaled_dot(xq.reshape(-1, K), sx, gq.reshape(-1, N), sg, ((0,), (0,)), dtype)
+    if history.shape[1]:
+        now = jnp.stack([ax, aw, ag])[:, None]
+        history = jnp.concatenate([now, history[:, :-1]], axis=1)
+    return dx, dw.astype(dtype), history
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def reference(x, w):
+    """The spec of one dynamically scaled product: x and w rounded to e4m3 with their
+    per-tensor scales, multiplied exactly (float32)."""
+    sx, sw = scale_of(amax(x), E4M3), scale_of(amax(w), E4M3)
+    xd = quantize(x, sx, E4M3).astype(jnp.float32) * sx
+    wd = quantize(w, sw, E4M3).astype(jnp.float32) * sw
+    return jnp.matmul(xd, wd, precision=jax.lax.Precision.HIGHEST)
+
+
+# --------------------------------------------------------------------------------------------
+# The state of delayed scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """Delayed scaling's state: for each block product (PRODUCTS) float32 [n_layer, 3,
+    length] amaxes of (input, weight, gradient), newest first. calibrated (static: a pytree
+    meta field, so the first step compiles on its own) is False for a fresh history."""
+
+    amaxes: dict
+    calibrated: bool = False
+
+
+jax.tree_util.register_dataclass(History, data_fields=["amaxes"], meta_fields=["calibrated"])
+
+
+def init_history(recipe: Recipe | None, n_layer: int) -> History | None:
+    """A fresh History for a model of n_layer blocks (None unless the recipe is delayed)."""
+    if recipe is None or not recipe.delayed:
+        return None
+    return History({name: jnp.zeros((n_layer, 3, recipe.history), jnp.float32)
+                    for name in PRODUCTS})
+
+
+def merge(a, b):
+    """Two new histories of one step (micro-batches, devices) as one: their elementwise max
+    (they differ only in the newest amaxes)."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def stepped(history: History, new_amaxes: dict, keep) -> History:
+    """The state after a step: its new amaxes where `keep` (a finite step), else as it was;
+    calibrated from now on."""
+    amaxes = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new_amaxes, history.amaxes)
+    return History(amaxes, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks of one layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """What one block's products need: the recipe and (delayed) this layer's histories
+    {name: [3, length]}."""
+
+    recipe: Recipe
+    histories: Any = None
+
+
+class Hooks:
+    """A device's hooks (family.OneDevice, sharding.Parallel) for one layer, with the block's
+    named products in FP8 where the recipe puts them: everything else is the device's."""
+
+    def __init__(self, par, layer: Layer):
+        self._par, self._layer = par, layer
+
+    def __getattr__(self, name):
+        return getattr(self._par, name)
+
+    def _dot(self, name):
+        recipe = self._layer.recipe
+        histories = self._layer.histories
+
+        def dot(x, w):
+            if name not in PRODUCTS or not (recipe.every or pays(*w.shape)):
+                return x @ w
+            h = None if histories is None else histories[name]
+            return matmul(x, w, h, recipe=recipe, amax_reduce=self._par.amax_reduce)
+
+        return dot
+
+    def gather_matmul(self, x, w, name=None):
+        return self._par.gather_matmul(x, w, name, dot=self._dot(name))
+
+    def matmul_reduce(self, x, w, name=None):
+        return self._par.matmul_reduce(x, w, name, dot=self._dot(name))
