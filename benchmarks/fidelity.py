@@ -347,8 +347,25 @@ def fp8_report(runs, windows) -> str:
                      for s, vv in by if vv == v and (s, "ours-ffi") in by)
               for v in (*fp8s, "ours-noise") if v in g}
     lines += ["", "largest one-step loss excess over bf16 (a spike bf16 does not have): "
-              + ", ".join(f"{v} {e:+.4f}" for v, e in excess.items())]
+              + ", ".join(f"{v} {e:+.4f}" for v, e in excess.items()),
+              "largest rise of a step's loss over the median of its run's previous "
+              f"{SPIKE_WINDOW} steps (mean over seeds): "
+              + ", ".join(f"{v} {statistics.fmean(spike(by[s, vv]) for s, vv in by if vv == v):.4f}"
+                          for v in ("ours-ffi", *excess))]
     return "\n".join(lines)
+
+
+SPIKE_WINDOW = 10
+
+
+def spike(losses) -> float:
+    """The largest rise of one step's loss over the median of the SPIKE_WINDOW steps before it
+    (from step 2 x SPIKE_WINDOW on, past the first fall): how far a run spikes on its own."""
+    x = np.asarray(losses)
+    start = 2 * SPIKE_WINDOW
+    if len(x) <= start:
+        return 0.0
+    return float(max(x[i] - np.median(x[i - SPIKE_WINDOW:i]) for i in range(start, len(x))))
 
 
 # --------------------------------------------------------------------------------------------

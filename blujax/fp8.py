@@ -188,15 +188,6 @@ def _matmul_bwd(recipe, amax_reduce, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def reference(x, w):
-    """The spec of one dynamically scaled product: x and w rounded to e4m3 with their
-    per-tensor scales, multiplied exactly (float32)."""
-    sx, sw = scale_of(amax(x), E4M3), scale_of(amax(w), E4M3)
-    xd = quantize(x, sx, E4M3).astype(jnp.float32) * sx
-    wd = quantize(w, sw, E4M3).astype(jnp.float32) * sw
-    return jnp.matmul(xd, wd, precision=jax.lax.Precision.HIGHEST)
-
-
 # --------------------------------------------------------------------------------------------
 # The state of delayed scaling
 

@@ -122,11 +122,13 @@ def test_fidelity_reports_fp8_against_its_noise_floor():
     for seed in (0, 1):
         for variant, shift, spike in (("ours-ffi", 0.0, 0.0), ("ours-fp8", 0.01, 0.5),
                                       ("ours-noise", 0.02, 0.0)):
-            loss = [3.0 - 0.01 * i + shift + 0.01 * seed for i in range(8)]
-            loss[5] += spike
+            loss = [3.0 - 0.01 * i + shift + 0.01 * seed for i in range(24)]
+            loss[21] += spike
             runs.append({"seed": seed, "variant": variant, "loss": loss,
                          "windows": fidelity.window_means(loss, [0, 4, 8])})
     text = fidelity.fp8_report(runs, ["0-4", "4-8"])
     # The seed-to-seed floor: the sd of ours-ffi's window means, 0.01 / sqrt(2).
     assert "| 0-4 | +0.0100 ± 0.0000 | +0.0200 ± 0.0000 | 0.0071 | ours-fp8 yes |" in text
     assert "ours-fp8 +0.5100" in text
+    # Its own spike: 0.5 over the median of the 10 falling steps before (0.055 above it).
+    assert "(mean over seeds): ours-ffi -0.0550, ours-fp8 0.4450" in text
