@@ -193,7 +193,8 @@ def test_fp8_on_a_mesh_matches_one_device():
 def test_cli_fp8_is_recorded_and_resumes_bit_for_bit(corpus, tmp_path, capsys):  # noqa: F811
     """train --fp8 all (delayed scaling, the default): config.json records it, a run stopped
     and resumed equals the straight one bit for bit (its losses and checkpoint, the amax
-    history included), and a resume that asks for other FP8 settings stops with one line."""
+    history included), eval and sample read it, and a resume that asks for other FP8
+    settings stops with one line."""
     base = ["train", "--data", corpus, "--model", "tiny", "--batch", 4, "--seq", 32,
             "--steps", 4, "--eval-every", 0, "--sample-tokens", 0, "--no-progress",
             "--fp8", "all"]
@@ -218,6 +219,11 @@ def test_cli_fp8_is_recorded_and_resumes_bit_for_bit(corpus, tmp_path, capsys): 
     assert any(k.startswith("['fp8']") for k in a.tree)  # the amax histories
     for key in a.tree:
         np.testing.assert_array_equal(a.tree[key], b.tree[key], err_msg=key)
+    # eval and sample read the run's checkpoint (they multiply in the compute dtype).
+    status, stdout, err = _run(capsys, "eval", "--out", straight)
+    assert status == 0 and "val loss" in stdout, err
+    status, stdout, err = _run(capsys, "sample", "--out", straight, "--max-new-tokens", 4)
+    assert status == 0 and "--- sample 1 ---" in stdout, err
     status, _, err = _run(capsys, "train", "--resume", "--out", resumed, "--fp8", "off",
                           "--steps", 6)
     assert status == 2 and "--fp8 off (the run has all)" in err
