@@ -73,7 +73,7 @@ VARIANTS = ("ours-ffi", "ours-xla", "ours-fp8", "ours-fp8-delayed", "ours-noise"
             "torch-noise")
 # Our variants' train settings beyond the benchmark's own: ops, TrainConfig fields, noise.
 OURS = {"ours-ffi": ("ffi", {}, False), "ours-xla": ("xla", {}, False),
-        "ours-fp8": ("ffi", {"fp8": "all"}, False),
+        "ours-fp8": ("ffi", {"fp8": "all", "fp8_scaling": "dynamic"}, False),
         "ours-fp8-delayed": ("ffi", {"fp8": "all", "fp8_scaling": "delayed"}, False),
         "ours-noise": ("ffi", {}, True)}
 DEFAULT_VARIANTS = ("ours-ffi", "ours-xla", "torch", "torch-noise")

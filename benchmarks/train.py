@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from blujax import model, train
+from blujax import fp8 as fp8_lib, model, train
 from blujax.model import ops as model_ops
 from blujax.model.stack import REMAT
 
@@ -46,7 +46,7 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat="none", profile_di
     mode, _, scaling = fp8.partition(":")
     tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat,
                              scan_layers=scan_layers, fp8=mode,
-                             fp8_scaling=scaling or "dynamic")
+                             fp8_scaling=scaling or fp8_lib.DEFAULT_SCALING)
     ops = model_ops.get(ops_name)
     state = train.init_state(config, tcfg, jax.random.key(0), ops)
     step = train.make_train_step(config, tcfg, ops)
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
                         "gpt2.forward picks: a loop on GPUs (auto, the default)")
     p.add_argument("--fp8", default="off",
                    help="FP8 block products, comma-separated: off, on (where they pay), all, "
-                        "each with an optional :dynamic or :delayed scaling (default off)")
+                        "each with an optional :dynamic or :delayed scaling (default: "
+                        f"{fp8_lib.DEFAULT_SCALING}) (default off)")
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)

@@ -44,8 +44,8 @@ E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 SCALINGS = ("dynamic", "delayed")
-# The command line's default (benchmarks/RESULTS.md: delayed scaling's step is the faster, as
-# its casts need no amax pass of their own first, at the same loss).
+# The default (TrainConfig's and the command line's; benchmarks/RESULTS.md: delayed scaling's
+# step is the faster, as its casts need no amax pass of their own first, at the same loss).
 DEFAULT_SCALING = "delayed"
 MODES = ("off", "on", "all")  # TrainConfig.fp8: none, where it pays, every block product
 

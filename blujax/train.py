@@ -70,9 +70,9 @@ class TrainConfig:
     remat: str = "none"
     scan_layers: bool | None = None  # see gpt2.forward; None: a loop on GPUs, a scan elsewhere
     # FP8 block products (blujax.fp8): "off", "on" (where they pay: fp8.pays) or "all"; their
-    # scaling ("dynamic" or "delayed") and the gradients' format ("e5m2" or "e4m3").
+    # scaling ("delayed" or "dynamic") and the gradients' format ("e5m2" or "e4m3").
     fp8: str = "off"
-    fp8_scaling: str = "dynamic"
+    fp8_scaling: str = fp8_lib.DEFAULT_SCALING
     fp8_grad: str = "e5m2"
 
     def __post_init__(self):
