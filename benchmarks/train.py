@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -136,10 +137,36 @@ def kernel_time_summary(path, steps: int, top: int = 25) -> str:
         spans.append((e["ts"], e["ts"] + e.get("dur", 0.0), e["name"]))
     busy = sum(total.values())
     lines = [f"device time per step: {busy / steps / 1e3:.2f} ms (kernels, summed over streams)",
-             idle_summary(spans, steps), "| kernel | ms / step | share |", "|---|---|---|"]
+             idle_summary(spans, steps), category_table(total, steps),
+             "| kernel | ms / step | share |", "|---|---|---|"]
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"| {name[:90]} | {us / steps / 1e3:.3f} | {us / max(busy, 1e-9):.1%} |")
     return "\n".join(lines)
+
+
+# Where a step's device time goes, by kernel name (first match): the matrix products (cuBLAS's
+# kernels), our attention, our other kernels, and what XLA generates around them (the FP8
+# casts and amaxes are its convert and reduce fusions).
+CATEGORIES = (
+    ("matrix products (cuBLAS)", r"gemm|nvjet|xmma|cutlass|cublas"),
+    ("attention (ours)", r"Attention|DqFromSums"),
+    ("our other kernels", r"Kernel|ReducePartials"),
+    ("XLA reduce fusions", r"reduce"),
+    ("XLA convert fusions", r"convert"),
+    ("XLA other fusions", r"fusion|loop_|input_"),
+    ("copies and the rest", r""),
+)
+
+
+def category_table(total: dict, steps: int) -> str:
+    """total ({kernel name: us}) summed by CATEGORIES, per step."""
+    sums = {name: 0.0 for name, _ in CATEGORIES}
+    for kernel, us in total.items():
+        name = next(n for n, rx in CATEGORIES if re.search(rx, kernel))
+        sums[name] += us
+    busy = max(sum(sums.values()), 1e-9)
+    rows = [f"| {n} | {us / steps / 1e3:.2f} | {us / busy:.1%} |" for n, us in sums.items()]
+    return "\n".join(["| where | ms / step | share |", "|---|---|---|", *rows])
 
 
 def idle_summary(spans, steps: int, top: int = 4, min_us: float = 20.0) -> str:

@@ -10,8 +10,8 @@ default: two more exponent bits for the gradients' wide range, as Transformer En
 recipe) and runs both backward products (dx = g w^T, dw = x^T g) in FP8 too. What the backward
 keeps of the forward is the FP8 copies (one byte an element, half of bfloat16's).
 
-A per-tensor scale maps the tensor's absolute maximum (amax) onto the format's largest finite
-value: x ~ q * scale, q = clip(x / scale). Two ways to know the amax:
+A per-tensor scale, a power of two, maps the tensor's absolute maximum (amax) into the format's
+top binade: x ~ q * scale, q = clip(x / scale). Two ways to know the amax:
 
 - "dynamic" (current): each tensor's own, taken just before it is cast (one more read of it).
 - "delayed": the largest of the last `history` steps' amaxes, kept in the train state
@@ -102,11 +102,18 @@ def amax(x):
 
 
 def scale_of(a, fmt):
-    """The dequantizing scale for amax `a` in format `fmt`: a / fmt's largest finite value; 1
-    where a is 0 or not finite (nothing to scale, or nothing sensible)."""
+    """The dequantizing scale for amax `a` in format `fmt`: the least power of two s with
+    a / s at most fmt's largest finite value; 1 where a is 0 or not finite (nothing to scale,
+    or nothing sensible). A power of two scales exactly (quantizing rounds only where the
+    format does), and the product of two is exact in bfloat16, the type in which the FP8
+    product's output scale rides into cuBLASLt (scaled_dot); the price is at most one binade
+    of the format's range left unused at the top."""
     top = float(jnp.finfo(fmt).max)
+    a = jnp.asarray(a, jnp.float32)
     ok = jnp.isfinite(a) & (a > 0)
-    return jnp.where(ok, a / top, 1.0).astype(jnp.float32)
+    m, e = jnp.frexp(jnp.where(ok, a / top, 1.0))  # a / top = m 2^e, m in [0.5, 1)
+    s = jnp.ldexp(jnp.float32(1.0), jnp.where(m == 0.5, e - 1, e))
+    return jnp.where(ok & (s > 0), s, 1.0).astype(jnp.float32)
 
 
 def quantize(x, scale, fmt):
@@ -116,13 +123,15 @@ def quantize(x, scale, fmt):
 
 
 def scaled_dot(a, sa, b, sb, dims, dtype):
-    """dot_general of FP8 a, b (contracting `dims`), accumulated in float32, times their scales
-    sa sb, in `dtype`: written as XLA's GEMM rewriter matches it, FP8 operands straight into
-    the dot and the scales on its output (they become the cuBLASLt FP8 call's scale factors
-    and its output type). Dequantizing the operands before the dot instead lets XLA fold the
-    FP8 round trip away into a bfloat16 product."""
-    acc = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
-    return (acc * (sa * sb)).astype(dtype)
+    """dot_general of FP8 a, b (contracting `dims`) times their scales sa sb (powers of two),
+    in `dtype`: written as XLA's GEMM rewriter matches it. The FP8 operands go straight into
+    a dot whose output type is `dtype`, and the output's scale is a `dtype` scalar: one
+    cuBLASLt FP8 call that accumulates in float32, scales by sa sb and writes `dtype`. (A
+    float32 dot cast after is a second pass over a float32 matrix; a scale in float32 on a
+    bfloat16 dot is not matched; dequantizing the operands before the dot lets XLA fold the
+    FP8 round trip away into a bfloat16 product.)"""
+    out = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
+    return out * (sa * sb).astype(dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 #       "benchmarks.train --model llama-1b --seq 2048 --batch 8 --ops ffi --dtype bf16 --fp8 off,on" \
 #       "benchmarks.torch_llama --model llama-1b --seq 2048 --batch 8 --float8 off,tensorwise"
 #
-# A run may be "pytest ARGS" instead of a module: the tests then run against the build.
+# A run may be "pytest ARGS" instead of a module: the tests then run against the build. A run
+# may start with NAME=VALUE words (no spaces in VALUE): that run's environment.
 # Wheels in .whl/ (a contender not installed there, say torchao) are installed into a folder
 # of their own first. Every run starts in the build's folder, so that the repo's own blujax
 # (no CUDA kernels) is not the one imported; paths in a run's arguments are from there (write
@@ -51,13 +52,15 @@ for run in "$@"; do
   n=$((n + 1))
   echo "== $run"
   start=$(date +%s)
+  envs=()
+  while [[ "$run" == *" "* && "${run%% *}" == *=* ]]; do envs+=("${run%% *}"); run=${run#* }; done
   if [ "${run%% *}" = pytest ]; then
     # From the build's folder, so that the repo's own blujax (no CUDA kernels) is not first.
     args=$(echo " ${run#pytest}" | sed "s# tests/# $repo/tests/#g")
-    (cd "$work" && "$py" -m pytest -p no:cacheprovider --rootdir "$repo" \
+    (cd "$work" && env "${envs[@]}" "$py" -m pytest -p no:cacheprovider --rootdir "$repo" \
       -c "$repo/pyproject.toml" $args) >"$out/$n.log" 2>&1
   else
-    (cd "$work" && "$py" -m $run) >"$out/$n.log" 2>&1
+    (cd "$work" && env "${envs[@]}" "$py" -m $run) >"$out/$n.log" 2>&1
   fi
   echo "   exit $?, $(( $(date +%s) - start )) s"
   tail -3 "$out/$n.log"

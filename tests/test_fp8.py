@@ -42,11 +42,17 @@ def _rel(a, b):
     return np.max(np.abs(a - b)) / np.max(np.abs(b))
 
 
-def test_scale_maps_the_amax_onto_the_format_maximum():
-    x = jnp.array([0.5, -3.0, 1e-3], jnp.float32)
+def test_scale_maps_the_amax_into_the_format_top_binade():
     for fmt, top in ((fp8.E4M3, E4M3_MAX), (fp8.E5M2, E5M2_MAX)):
-        q = fp8.quantize(x, fp8.scale_of(fp8.amax(x), fmt), fmt)
-        assert q.dtype == fmt and float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == top
+        for a in (3.0, 0.7 * top, top, 2 * top, 1e-3):
+            x = jnp.array([0.5, -a, 1e-4], jnp.float32)
+            s = fp8.scale_of(fp8.amax(x), fmt)
+            q = fp8.quantize(x, s, fmt)
+            m, _ = np.frexp(float(s))
+            assert m == 0.5  # a power of two
+            assert q.dtype == fmt and top / 2 < float(jnp.max(jnp.abs(q.astype(jnp.float32)))) <= top
+        # The amax exactly a power of two times the maximum: that power, nothing lost.
+        assert float(fp8.scale_of(jnp.float32(top / 8), fmt)) == 0.125
     # Nothing to scale, or nothing sensible: 1.
     for a in (0.0, np.inf, np.nan):
         assert float(fp8.scale_of(jnp.float32(a), fp8.E4M3)) == 1.0
@@ -183,10 +189,17 @@ def test_fp8_on_a_mesh_matches_one_device():
     one, s1 = _train(config, tcfg, batch=8)
     mesh = sharding.make_mesh(2, 2, 1, fsdp=2)
     many, s8 = _train(config, tcfg, mesh=mesh, batch=8)
-    np.testing.assert_allclose(many, one, rtol=1e-5)
+    # The first step (calibrating: every scale from the amaxes of this step, reduced over the
+    # mesh) agrees to float32's rounding: its loss and all its amaxes (the oldest of the
+    # three in the history). After it the mesh's other order of summing leaves the weights an
+    # ulp apart, which can move an element across an FP8 rounding boundary (an e5m2 step is
+    # a quarter of its value): the losses stay close, the later amaxes within a few %.
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
+    np.testing.assert_allclose(many, one, rtol=1e-4)
     for name in fp8.PRODUCTS:
-        np.testing.assert_allclose(jax.device_get(s8.fp8.amaxes[name]), s1.fp8.amaxes[name],
-                                   rtol=1e-5)
+        got, want = jax.device_get(s8.fp8.amaxes[name]), np.asarray(s1.fp8.amaxes[name])
+        np.testing.assert_allclose(got[:, :, 2], want[:, :, 2], rtol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=0.05)
 
 
 @pytest.mark.slow

@@ -198,11 +198,11 @@ def _params_np(state):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ffi", "xla"])
-def test_grad_clip_zero_means_no_clipping(name):
+def test_grad_clip_zero_means_no_clipping():
     """grad_clip 0 trains (it used to scale every gradient to zero) and equals AdamW on the
-    unclipped gradients; a grad_clip below the norm does clip."""
-    ops = model_ops.get(name)
+    unclipped gradients; a grad_clip below the norm does clip. (The clipping is the
+    optimizer's, the same for either ops namespace: our kernels' one is the one run.)"""
+    ops = model_ops.get("ffi")
     batch = _tokens(11, (1, 4, 33))
     tcfg = train.TrainConfig(steps=5, learning_rate=1e-3, grad_clip=0.0, dtype="f32")
     state = train.init_state(CONFIG, tcfg, jax.random.key(0), ops)
