@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -52,6 +53,13 @@ def product(M, K, N, recipe):
     # time); the delayed history a warm one (the tensors' own amaxes).
     h = jnp.stack([jnp.full((16,), fp8.amax(t)) for t in (x, w, r)])
     return jax.jit(step), (x, w, h, r)
+
+
+def f8_calls(hlo: str) -> dict[str, int]:
+    """The cuBLASLt FP8 calls of an optimized HLO, counted by their output type."""
+    outs = re.findall(r"= \((\w+)\[[^\]]*\][^)]*\) custom-call\([^\n]*cublas\$lt\$matmul\$f8",
+                      hlo)
+    return {t: outs.count(t) for t in sorted(set(outs))}
 
 
 def gemm_kinds(hlo: str) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 
+from benchmarks import fp8 as fp8_bench
 from blujax import fp8 as fp8_lib, model, train
 from blujax.model import ops as model_ops
 from blujax.model.stack import REMAT
@@ -73,7 +74,7 @@ def run_one(config, seq, batch, ops_name, dtype, steps, remat="none", profile_di
            "program_gb": mem / 1e9 if mem is not None else None,
            "compile_s": compile_s, "loss": float(m["loss"]),
            # FP8 products as XLA runs them: cuBLASLt FP8 calls (Triton FP8 GEMMs aside).
-           "cublas_f8_calls": hlo.count("cublas$lt$matmul$f8")}
+           "cublas_f8_calls": sum(fp8_bench.f8_calls(hlo).values())}
     del state, compiled, step
     gc.collect()
     return row

@@ -27,6 +27,12 @@ holding parts of one tensor scale it alike, and a mesh computes what one device 
 Which products: the four of every block (PRODUCTS: the attention's input and output
 projections, the MLP's two), where FP8 pays (`pays`: the measured rule; recipe.every puts all
 four in FP8 whatever it says). The LM head and the embedding stay in the compute dtype.
+
+Compiling: on a GPU XLA autotunes Triton GEMM candidates for every FP8 product, which makes a
+step compile for minutes (llama-1b: 89 s a program on an H200, and delayed scaling compiles two,
+the first step being its own). `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles it in
+seconds and runs about 3% slower (benchmarks/LOG.md).
+
 FP8 is a way to train: evaluation (train.make_eval_step) and sampling multiply in the compute
 dtype, from the same float32 weights.
 """
@@ -34,6 +40,7 @@ dtype, from the same float32 weights.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 from typing import Any, Callable
 
@@ -142,25 +149,33 @@ def _no_reduce(a):
     return a
 
 
-def matmul(x, w, history=None, *, recipe: Recipe, amax_reduce: Callable = _no_reduce):
+def matmul(x, w, history=None, *, recipe: Recipe, amax_reduce: Callable = _no_reduce,
+           whole_amax=None):
     """x [..., K] @ w [K, N] in FP8 (x's dtype out). history: this product's float32
     [3, recipe.history] amaxes of (x, w, the gradient) over the last steps, newest first, for
     delayed scaling (None for dynamic). amax_reduce: the max over the devices of a mesh.
 
     Its gradient with respect to `history` is the new history (the current amaxes shifted
-    in), not a derivative: the train step takes it as the next state's (see `merge`)."""
+    in), not a derivative: the train step takes it as the next state's (see `merge`).
+
+    A product run slice by slice (collective matmul: one sequence slice of x a product)
+    passes whole_amax, the amax of the whole x (reduced over the mesh): every slice then scales
+    x, and records its amax, as the whole would (Hooks gives each slice its own copy of the
+    history, `fan_out`)."""
     if history is None:
         if recipe.delayed:
             raise ValueError("fp8: delayed scaling needs the product's amax history")
         history = jnp.zeros((3, 0), jnp.float32)
     if x.shape[-1] != w.shape[0] or w.ndim != 2:
         raise ValueError(f"fp8.matmul: x {x.shape} @ w {w.shape} do not multiply")
-    return _matmul(x, w, history, recipe, amax_reduce)
+    if whole_amax is not None:
+        whole_amax = jax.lax.stop_gradient(jnp.asarray(whole_amax, jnp.float32))
+    return _matmul(x, w, history, whole_amax, recipe, amax_reduce)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _matmul(x, w, history, recipe, amax_reduce):
-    return _matmul_fwd(x, w, history, recipe, amax_reduce)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _matmul(x, w, history, whole_amax, recipe, amax_reduce):
+    return _matmul_fwd(x, w, history, whole_amax, recipe, amax_reduce)[0]
 
 
 def _scales(current, history, row, fmt, recipe):
@@ -170,16 +185,17 @@ def _scales(current, history, row, fmt, recipe):
     return scale_of(current, fmt)
 
 
-def _matmul_fwd(x, w, history, recipe, amax_reduce):
-    ax, aw = amax_reduce(amax(x)), amax_reduce(amax(w))
+def _matmul_fwd(x, w, history, whole_amax, recipe, amax_reduce):
+    ax = amax_reduce(amax(x)) if whole_amax is None else whole_amax
+    aw = amax_reduce(amax(w))
     sx, sw = _scales(ax, history, 0, E4M3, recipe), _scales(aw, history, 1, E4M3, recipe)
     xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
     y = scaled_dot(xq, sx, wq, sw, ((x.ndim - 1,), (0,)), x.dtype)
-    return y, (xq, sx, wq, sw, ax, aw, history)
+    return y, (xq, sx, wq, sw, ax, aw, history, whole_amax)
 
 
 def _matmul_bwd(recipe, amax_reduce, res, g):
-    xq, sx, wq, sw, ax, aw, history = res
+    xq, sx, wq, sw, ax, aw, history, whole_amax = res
     dtype = g.dtype
     fmt = FORMATS[recipe.grad]
     ag = amax_reduce(amax(g))
@@ -191,10 +207,31 @@ def _matmul_bwd(recipe, amax_reduce, res, g):
     if history.shape[1]:
         now = jnp.stack([ax, aw, ag])[:, None]
         history = jnp.concatenate([now, history[:, :-1]], axis=1)
-    return dx, dw.astype(dtype), history
+    no_amax = None if whole_amax is None else jnp.zeros_like(whole_amax)
+    return dx, dw.astype(dtype), history, no_amax
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(history, n):
+    """n copies [n, ...] of a history for n products that share it (the slices of a collective
+    matmul). Its gradient is the max of the copies' (their new histories differ only in the
+    newest amaxes, each slice's of what it saw), where an input used n times would get their
+    sum."""
+    return jnp.broadcast_to(history, (n, *history.shape))
+
+
+def _fan_out_fwd(history, n):
+    return fan_out(history, n), None
+
+
+def _fan_out_bwd(n, _, g):
+    return (jnp.max(g, axis=0),)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,20 +295,38 @@ class Hooks:
     def __getattr__(self, name):
         return getattr(self._par, name)
 
-    def _dot(self, name):
+    def _dot(self, name, x):
+        """The product `name` as the device's hooks call it on x (this device's part, before
+        any gather): in FP8 where the recipe puts it. Where the device runs it slice by slice
+        (collective matmul), every slice scales x by the amax of the whole and has its own
+        copy of the history (`fan_out`), taken in the order the slices run. (The gradient's
+        scale under dynamic scaling, and on delayed scaling's first step, is still each
+        slice's: the amax of the gradient rows the devices hold at that slice.)"""
         recipe = self._layer.recipe
         histories = self._layer.histories
+        n = getattr(self._par, "slices", 1)
+        reduce = self._par.amax_reduce
+        calls = itertools.count()
+        copies = {}
 
-        def dot(x, w):
+        def dot(x_part, w):
             if name not in PRODUCTS or not (recipe.every or pays(*w.shape)):
-                return x @ w
-            h = None if histories is None else histories[name]
-            return matmul(x, w, h, recipe=recipe, amax_reduce=self._par.amax_reduce)
+                return x_part @ w
+            if n == 1:
+                h = None if histories is None else histories[name]
+                return matmul(x_part, w, h, recipe=recipe, amax_reduce=reduce)
+            if not copies:  # the first slice: what every slice shares
+                # (Not differentiated: an amax only picks a scale.)
+                copies["whole"] = reduce(amax(jax.lax.stop_gradient(x)))
+                copies["h"] = None if histories is None else fan_out(histories[name], n)
+            h = None if copies["h"] is None else copies["h"][next(calls) % n]
+            return matmul(x_part, w, h, recipe=recipe, amax_reduce=reduce,
+                          whole_amax=copies["whole"])
 
         return dot
 
     def gather_matmul(self, x, w, name=None):
-        return self._par.gather_matmul(x, w, name, dot=self._dot(name))
+        return self._par.gather_matmul(x, w, name, dot=self._dot(name, x))
 
     def matmul_reduce(self, x, w, name=None):
-        return self._par.matmul_reduce(x, w, name, dot=self._dot(name))
+        return self._par.matmul_reduce(x, w, name, dot=self._dot(name, x))

@@ -90,6 +90,16 @@ def test_gradients_match_the_quantized_spec(grad):
                                                                    else 0.08)
 
 
+def test_fan_out_gives_back_the_max_of_its_copies():
+    """The slices of a collective matmul share a history through fan_out: the new history is
+    the max of theirs (an input used three times would get the sum)."""
+    h = jnp.arange(6.0).reshape(3, 2)
+    copies, vjp = jax.vjp(lambda h: fp8.fan_out(h, 3), h)
+    assert copies.shape == (3, 3, 2) and (copies == h).all()
+    g = jnp.stack([h + 1, 3 * h, h - 1])
+    np.testing.assert_array_equal(vjp(g)[0], jnp.max(g, axis=0))
+
+
 def test_delayed_scaling_reads_the_history_and_shifts_the_new_amaxes_in():
     x, w, g = _operands(seed=2)
     recipe = fp8.Recipe("delayed", history=4)
@@ -145,10 +155,10 @@ def test_the_rule_keeps_narrow_products_in_bf16():
     assert "f8E5M2" in every  # the gradients' format
 
 
-def _train(config, tcfg, steps=3, mesh=None, batch=4):
+def _train(config, tcfg, steps=3, mesh=None, batch=4, **kw):
     x = jax.random.randint(jax.random.key(7), (tcfg.accum_steps, batch, 32), 0, 500)
     state = train.init_state(config, tcfg, jax.random.key(0), mesh=mesh)
-    step = train.make_train_step(config, tcfg, mesh=mesh)
+    step = train.make_train_step(config, tcfg, mesh=mesh, **kw)
     losses = []
     for _ in range(steps):
         state, m = step(state, x, x)
@@ -178,9 +188,12 @@ def test_train_step_in_fp8_follows_bf16(config, scaling):
 
 
 @pytest.mark.slow
-def test_fp8_on_a_mesh_matches_one_device():
+@pytest.mark.parametrize("collective_matmul", [False, True])
+def test_fp8_on_a_mesh_matches_one_device(collective_matmul):
     """data 2 x fsdp 2 x tensor 2, delayed scaling: each amax is the max over every device, so
-    the mesh scales as one device does: the same losses and amax histories to rounding."""
+    the mesh scales as one device does: the same losses and amax histories to rounding. With
+    collective matmul each tensor-parallel product runs slice by slice: every slice scales as
+    the whole, and the history records the whole's amaxes (not their sum over the slices)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (the emulated CPUs of tests/conftest.py)")
     config = dataclasses.replace(gpt2.PRESETS["tiny"], n_head=2)
@@ -188,7 +201,7 @@ def test_fp8_on_a_mesh_matches_one_device():
                              learning_rate=1e-3)
     one, s1 = _train(config, tcfg, batch=8)
     mesh = sharding.make_mesh(2, 2, 1, fsdp=2)
-    many, s8 = _train(config, tcfg, mesh=mesh, batch=8)
+    many, s8 = _train(config, tcfg, mesh=mesh, batch=8, collective_matmul=collective_matmul)
     # The first step (calibrating: every scale from the amaxes of this step, reduced over the
     # mesh) agrees to float32's rounding: its loss and all its amaxes (the oldest of the
     # three in the history). After it the mesh's other order of summing leaves the weights an

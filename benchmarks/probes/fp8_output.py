@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import time
 
 import jax
@@ -48,15 +47,6 @@ def _bf16_f32(a, sa, b, sb, dims, dtype):
 
 
 FORMS = {"f32": _f32, "bf16": _bf16, "bf16-f32": _bf16_f32}
-
-
-def f8_calls(hlo: str) -> str:
-    """The cuBLASLt FP8 calls of an optimized HLO by output type, and the fusions that read a
-    float32 matrix (the casts an f32-out call leaves behind)."""
-    outs = re.findall(r"= \((\w+)\[[^\]]*\][^)]*\) custom-call\([^\n]*cublas\$lt\$matmul\$f8",
-                      hlo)
-    kinds = {t: outs.count(t) for t in sorted(set(outs))}
-    return f"FP8 calls by output type {kinds or 'none'}"
 
 
 def main(argv=None) -> int:
@@ -87,7 +77,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 hlo = f.lower(*args).compile().as_text()
                 row[f"{form} compile_s"] = time.perf_counter() - t0
-                row[f"{form} hlo"] = f8_calls(hlo)
+                row[f"{form} hlo"] = f"FP8 calls by output type {fp8_bench.f8_calls(hlo)}"
                 row[form] = fp8_bench.time_it(f, args, a.steps) * 1e3
             finally:
                 fp8.scaled_dot = original

@@ -83,6 +83,11 @@ class Parallel:
     def gathers(self) -> bool:
         return bool(self.fsdp_dims)
 
+    @property
+    def slices(self) -> int:
+        """How many products gather_matmul and matmul_reduce run, one sequence slice each."""
+        return self.tensor if self.collective_matmul else 1
+
     def share(self, params):
         return vary(params) if self.reduce_in_backward else params
 
