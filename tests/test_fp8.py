@@ -4,6 +4,7 @@ device and on a mesh, the measured rule, and the command line's --fp8 (recorded,
 for bit). On the CPU XLA emulates FP8, so this is the program a GPU runs, to its rounding."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -187,6 +188,17 @@ def test_train_step_in_fp8_follows_bf16(config, scaling):
         assert (h[:, :, :3] > 0).all() and (h[:, :, 3:] == 0).all()
 
 
+_MESH_CASE = (dataclasses.replace(gpt2.PRESETS["tiny"], n_head=2),
+              train.TrainConfig(steps=10, dtype="f32", fp8="all", fp8_scaling="delayed",
+                                learning_rate=1e-3))
+
+
+@functools.cache
+def _one_device_run():
+    """The mesh tests' reference (computed once for both)."""
+    return _train(*_MESH_CASE, batch=8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("collective_matmul", [False, True])
 def test_fp8_on_a_mesh_matches_one_device(collective_matmul):
@@ -196,10 +208,8 @@ def test_fp8_on_a_mesh_matches_one_device(collective_matmul):
     the whole, and the history records the whole's amaxes (not their sum over the slices)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (the emulated CPUs of tests/conftest.py)")
-    config = dataclasses.replace(gpt2.PRESETS["tiny"], n_head=2)
-    tcfg = train.TrainConfig(steps=10, dtype="f32", fp8="all", fp8_scaling="delayed",
-                             learning_rate=1e-3)
-    one, s1 = _train(config, tcfg, batch=8)
+    config, tcfg = _MESH_CASE
+    one, s1 = _one_device_run()
     mesh = sharding.make_mesh(2, 2, 1, fsdp=2)
     many, s8 = _train(config, tcfg, mesh=mesh, batch=8, collective_matmul=collective_matmul)
     # The first step (calibrating: every scale from the amaxes of this step, reduced over the
