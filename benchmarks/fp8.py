@@ -70,7 +70,7 @@ def gemm_kinds(hlo: str) -> str:
     f8 = [ln for ln in lines if "f8e" in ln.split("=")[1][:200].lower() or "$f8" in ln]
     cublas = sum("__cublas" in ln for ln in lines)
     triton = sum("triton_gemm" in ln or "nested_gemm" in ln for ln in lines)
-    return (f"{cublas} cuBLAS calls ({sum('$f8' in ln for ln in lines)} FP8), {triton} "
+    return (f"{cublas} cuBLAS calls ({sum(f8_calls(hlo).values())} FP8), {triton} "
             f"Triton GEMM lines, {len(f8)} lines with FP8 operands")
 
 
