@@ -45,10 +45,13 @@ def program_bytes(compiled) -> int | None:
 
 def run_one(config, seq, batch, ops_name, dtype, steps, remat="none", profile_dir=None,
             scan_layers=None, fp8="off"):
-    mode, _, scaling = fp8.partition(":")
+    mode, *opts = fp8.split(":")
+    scaling = next((o for o in opts if o in fp8_lib.SCALINGS), fp8_lib.DEFAULT_SCALING)
+    if set(opts) - {scaling, "unfused"}:
+        raise SystemExit(f"benchmarks.train: unknown --fp8 option in {fp8!r}")
     tcfg = train.TrainConfig(steps=1000, warmup_steps=10, dtype=dtype, remat=remat,
-                             scan_layers=scan_layers, fp8=mode,
-                             fp8_scaling=scaling or fp8_lib.DEFAULT_SCALING)
+                             scan_layers=scan_layers, fp8=mode, fp8_scaling=scaling,
+                             fp8_fuse="unfused" not in opts)
     ops = model_ops.get(ops_name)
     state = train.init_state(config, tcfg, jax.random.key(0), ops)
     step = train.make_train_step(config, tcfg, ops)
@@ -210,7 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", default="off",
                    help="FP8 block products, comma-separated: off, on (where they pay), all, "
                         "each with an optional :dynamic or :delayed scaling (default: "
-                        f"{fp8_lib.DEFAULT_SCALING}) (default off)")
+                        f"{fp8_lib.DEFAULT_SCALING}) and :unfused (the gated MLP product by "
+                        "product, not as one FP8 piece) (default off)")
     p.add_argument("--profile", metavar="DIR", help="trace 3 steps of the first configuration")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON lines")
     a = p.parse_args(argv)

@@ -28,6 +28,14 @@ Which products: the four of every block (PRODUCTS: the attention's input and out
 projections, the MLP's two), where FP8 pays (`pays`: the measured rule; recipe.every puts all
 four in FP8 whatever it says). The LM head and the embedding stay in the compute dtype.
 
+The casts fused into our kernels: where a gated MLP's two products are both in FP8 and delayed
+scaling knows every scale before the step (`fuses`), the MLP runs as one piece
+(`swiglu_mlp`): SwiGLU's kernel writes the FP8 copy of its output (and its transpose, for the
+weight gradient's product) and its amax in the pass that computes it, and its backward does
+the same for the gradient the up product's backward takes. Neither bfloat16 tensor is written,
+nor read again by a cast. The result is the products' to the bit (tests/test_fp8.py). Dynamic
+scaling, delayed scaling's first step and collective matmul run product by product.
+
 Compiling: on a GPU XLA autotunes Triton GEMM candidates for every FP8 product, which makes a
 step compile for minutes (llama-1b: 89 s a program on an H200, and delayed scaling compiles two,
 the first step being its own). `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles it in
@@ -70,13 +78,16 @@ class Recipe:
     """How the FP8 products scale: "dynamic" or "delayed" (see the module's docstring); the
     gradients' format ("e5m2" or "e4m3"); the delayed amax history's length; every: all of a
     block's products in FP8, whether or not they pay (--fp8 all); calibrating: delayed scaling's
-    first step (scale by the current amaxes, record them)."""
+    first step (scale by the current amaxes, record them); fuse: run a gated MLP whose two
+    products are in FP8 as one piece (`swiglu_mlp`) where it can (False: product by product,
+    for comparison)."""
 
     scaling: str = "dynamic"
     grad: str = "e5m2"
     history: int = 16
     every: bool = False
     calibrating: bool = False
+    fuse: bool = True
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -205,8 +216,7 @@ def _matmul_bwd(recipe, amax_reduce, res, g):
     K, N = wq.shape
     dw = scaled_dot(xq.reshape(-1, K), sx, gq.reshape(-1, N), sg, ((0,), (0,)), dtype)
     if history.shape[1]:
-        now = jnp.stack([ax, aw, ag])[:, None]
-        history = jnp.concatenate([now, history[:, :-1]], axis=1)
+        history = _shifted(history, ax, aw, ag)
     no_amax = None if whole_amax is None else jnp.zeros_like(whole_amax)
     return dx, dw.astype(dtype), history, no_amax
 
@@ -232,6 +242,83 @@ def _fan_out_bwd(n, _, g):
 
 
 fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# The gated MLP as one piece
+
+
+def fuses(recipe: Recipe) -> bool:
+    """Whether swiglu_mlp can run under `recipe`: its kernels write the FP8 copies in the pass
+    that makes the tensor, so each scale must be known before it: delayed scaling's, from the
+    history, after its calibrating first step."""
+    return recipe.fuse and recipe.delayed and not recipe.calibrating
+
+
+def swiglu_mlp(x, w_up, w_down, h_up, h_down, *, recipe: Recipe, ops,
+               amax_reduce: Callable = _no_reduce):
+    """swiglu(x @ w_up) @ w_down with both products in FP8, as the two `matmul`s around
+    ops.swiglu compute it, in fewer passes: swiglu's FP8 forms (ops.swiglu_fwd_fp8,
+    swiglu_bwd_fp8) write the FP8 copy of their output at its delayed scale, transposed too,
+    and its amax, where the products would cast it in a pass of their own; swiglu's bfloat16
+    output and the up product's bfloat16 gradient are never written.
+
+    x [..., C]; w_up [C, 2F] (gate, up); w_down [F, N]; h_up, h_down: the two products'
+    histories as `matmul` takes them. Delayed scaling after calibration only (`fuses`); the
+    gradients with respect to h_up, h_down are their new histories, as `matmul`'s."""
+    if not fuses(recipe):
+        raise ValueError("fp8.swiglu_mlp needs delayed scaling's scales (a calibrated history)")
+    C, F = x.shape[-1], w_down.shape[0]
+    if w_up.shape != (C, 2 * F) or w_down.ndim != 2:
+        raise ValueError(f"fp8.swiglu_mlp: x {x.shape}, w_up {w_up.shape} and w_down "
+                         f"{w_down.shape} do not make a gated MLP (w_up must be [C, 2F] for "
+                         f"w_down [F, N])")
+    return _swiglu_mlp(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _swiglu_mlp(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce):
+    return _swiglu_mlp_fwd(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce)[0]
+
+
+def _swiglu_mlp_fwd(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce):
+    dtype, F = x.dtype, w_down.shape[0]
+    xs = x.reshape(-1, x.shape[-1])
+    ax, a1, a2 = (amax_reduce(amax(t)) for t in (xs, w_up, w_down))
+    sx, s1 = _scales(ax, h_up, 0, E4M3, recipe), _scales(a1, h_up, 1, E4M3, recipe)
+    sa, s2 = _scales(None, h_down, 0, E4M3, recipe), _scales(a2, h_down, 1, E4M3, recipe)
+    xq, w1q, w2q = quantize(xs, sx, E4M3), quantize(w_up, s1, E4M3), quantize(w_down, s2, E4M3)
+    h = scaled_dot(xq, sx, w1q, s1, ((1,), (0,)), dtype).reshape(-1, 2, F)
+    aq, aqt, aa = ops.swiglu_fwd_fp8(h, sa, E4M3)
+    y = scaled_dot(aq, sa, w2q, s2, ((1,), (0,)), dtype)
+    amaxes = (ax, a1, amax_reduce(aa), a2)
+    res = (xq, sx, w1q, s1, h, aqt, sa, w2q, s2, amaxes, h_up, h_down, x.shape)
+    return y.reshape(*x.shape[:-1], -1), res
+
+
+def _swiglu_mlp_bwd(recipe, ops, amax_reduce, res, g):
+    xq, sx, w1q, s1, h, aqt, sa, w2q, s2, (ax, a1, aa, a2), h_up, h_down, shape = res
+    dtype, fmt, F = g.dtype, FORMATS[recipe.grad], w2q.shape[0]
+    gs = g.reshape(-1, g.shape[-1])
+    ag = amax_reduce(amax(gs))
+    sg = _scales(ag, h_down, 2, fmt, recipe)
+    gq = quantize(gs, sg, fmt)
+    da = scaled_dot(gq, sg, w2q, s2, ((1,), (1,)), dtype)  # [M, F]
+    dw2 = scaled_dot(aqt, sa, gq, sg, ((1,), (0,)), dtype)  # [F, N]
+    sd = _scales(None, h_up, 2, fmt, recipe)
+    dq, dqt, ad = ops.swiglu_bwd_fp8(da, h, sd, fmt)  # d(gate, up) [M, 2F] and [2F, M]
+    dx = scaled_dot(dq, sd, w1q, s1, ((1,), (1,)), dtype)  # [M, C]
+    dw1 = scaled_dot(xq, sx, dqt, sd, ((0,), (1,)), dtype)  # [C, 2F]
+    return (dx.reshape(shape), dw1, dw2, _shifted(h_up, ax, a1, amax_reduce(ad)),
+            _shifted(h_down, aa, a2, ag))
+
+
+_swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+
+
+def _shifted(history, *now):
+    """history [3, length] with the step's amaxes (input, weight, gradient) in front."""
+    return jnp.concatenate([jnp.stack(now)[:, None], history[:, :-1]], axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +411,23 @@ class Hooks:
                           whole_amax=copies["whole"])
 
         return dot
+
+    def swiglu_mlp(self, ops, x, w_up, w_down):
+        """The gated MLP (family.swiglu_mlp): as one FP8 piece (`swiglu_mlp`) where both its
+        products are in FP8, the recipe `fuses` and the device runs each product whole;
+        else product by product through these hooks."""
+        # (blujax.model imports this module)
+        from blujax.model.family import saved, swiglu_mlp as by_products
+
+        recipe, histories = self._layer.recipe, self._layer.histories
+        whole = getattr(self._par, "slices", 1) == 1
+        in_fp8 = recipe.every or (pays(*w_up.shape) and pays(*w_down.shape))
+        if not (in_fp8 and whole and fuses(recipe)):
+            return by_products(self, ops, x, w_up, w_down)
+        y = swiglu_mlp(self._par.gather_sequence(x), w_up, w_down, histories["up"],
+                       histories["down"], recipe=recipe, ops=ops,
+                       amax_reduce=self._par.amax_reduce)
+        return saved(self._par.reduce_sequence(y))
 
     def gather_matmul(self, x, w, name=None):
         return self._par.gather_matmul(x, w, name, dot=self._dot(name, x))

@@ -70,10 +70,12 @@ class TrainConfig:
     remat: str = "none"
     scan_layers: bool | None = None  # see gpt2.forward; None: a loop on GPUs, a scan elsewhere
     # FP8 block products (blujax.fp8): "off", "on" (where they pay: fp8.pays) or "all"; their
-    # scaling ("delayed" or "dynamic") and the gradients' format ("e5m2" or "e4m3").
+    # scaling ("delayed" or "dynamic") and the gradients' format ("e5m2" or "e4m3");
+    # fp8_fuse: the gated MLP as one FP8 piece where it can be (blujax.fp8.Recipe.fuse).
     fp8: str = "off"
     fp8_scaling: str = fp8_lib.DEFAULT_SCALING
     fp8_grad: str = "e5m2"
+    fp8_fuse: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -90,6 +92,9 @@ class TrainConfig:
             fp8_lib.Recipe(self.fp8_scaling, self.fp8_grad)
         except ValueError as e:
             raise ValueError(f"TrainConfig: {e}") from None
+        if not isinstance(self.fp8_fuse, bool):
+            raise ValueError(f"TrainConfig.fp8_fuse must be True or False, got "
+                             f"{self.fp8_fuse!r}")
         # Every number checked here, once: a NaN, an inf or a sign slip otherwise trains on
         # quietly (a negative grad_clip reverses every step, lr = inf makes NaN params).
         # warmup_steps may exceed steps: the warmup then never finishes, a well-defined ramp.
@@ -113,7 +118,8 @@ class TrainConfig:
         """The FP8 products' recipe, or None when fp8 is "off"."""
         if self.fp8 == "off":
             return None
-        return fp8_lib.Recipe(self.fp8_scaling, self.fp8_grad, every=self.fp8 == "all")
+        return fp8_lib.Recipe(self.fp8_scaling, self.fp8_grad, every=self.fp8 == "all",
+                              fuse=self.fp8_fuse)
 
 
 def _check_int(name, value, *, low):

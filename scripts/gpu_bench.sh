@@ -8,8 +8,10 @@
 #       "benchmarks.train --model llama-1b --seq 2048 --batch 8 --ops ffi --dtype bf16 --fp8 off,on" \
 #       "benchmarks.torch_llama --model llama-1b --seq 2048 --batch 8 --float8 off,tensorwise"
 #
-# A run may be "pytest ARGS" instead of a module: the tests then run against the build. A run
-# may start with NAME=VALUE words (no spaces in VALUE): that run's environment.
+# A run may be "pytest ARGS" instead of a module: the tests then run against the build;
+# "sanitize pytest ARGS" runs them under compute-sanitizer's memcheck ("racecheck pytest ARGS"
+# its shared-memory race check), its report in OUT/<n>.sanitizer.log. A run may start with
+# NAME=VALUE words (no spaces in VALUE): that run's environment.
 # Wheels in .whl/ (a contender not installed there, say torchao) are installed into a folder
 # of their own first. Every run starts in the build's folder, so that the repo's own blujax
 # (no CUDA kernels) is not the one imported; paths in a run's arguments are from there (write
@@ -54,16 +56,24 @@ for run in "$@"; do
   start=$(date +%s)
   envs=()
   while [[ "$run" == *" "* && "${run%% *}" == *=* ]]; do envs+=("${run%% *}"); run=${run#* }; done
+  wrap=()
+  case "${run%% *}" in
+    sanitize) wrap=(compute-sanitizer --tool memcheck --error-exitcode 9 --log-file
+                    "$out/$n.sanitizer.log"); run=${run#* } ;;
+    racecheck) wrap=(compute-sanitizer --tool racecheck --error-exitcode 9 --log-file
+                     "$out/$n.sanitizer.log"); run=${run#* } ;;
+  esac
   if [ "${run%% *}" = pytest ]; then
     # From the build's folder, so that the repo's own blujax (no CUDA kernels) is not first.
     args=$(echo " ${run#pytest}" | sed "s# tests/# $repo/tests/#g")
-    (cd "$work" && env "${envs[@]}" "$py" -m pytest -p no:cacheprovider --rootdir "$repo" \
+    (cd "$work" && env "${envs[@]}" "${wrap[@]}" "$py" -m pytest -p no:cacheprovider --rootdir "$repo" \
       -c "$repo/pyproject.toml" $args) >"$out/$n.log" 2>&1
   else
     (cd "$work" && env "${envs[@]}" "$py" -m $run) >"$out/$n.log" 2>&1
   fi
   echo "   exit $?, $(( $(date +%s) - start )) s"
   tail -3 "$out/$n.log"
+  [ -f "$out/$n.sanitizer.log" ] && tail -2 "$out/$n.sanitizer.log"
 done
 n=0
 for run in "$@"; do

@@ -14,7 +14,7 @@ import pytest
 
 from blujax import fp8, sharding, train
 from blujax.checkpoint import Checkpointer
-from blujax.model import gpt2, llama
+from blujax.model import gpt2, llama, ops as model_ops
 from tests.test_gpt2_cli import _run, corpus, private_cache  # noqa: F401
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -99,6 +99,65 @@ def test_fan_out_gives_back_the_max_of_its_copies():
     assert copies.shape == (3, 3, 2) and (copies == h).all()
     g = jnp.stack([h + 1, 3 * h, h - 1])
     np.testing.assert_array_equal(vjp(g)[0], jnp.max(g, axis=0))
+
+
+def _mlp_operands():
+    k = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(k[0], (2, 24, 32), jnp.bfloat16)
+    w_up = (0.2 * jax.random.normal(k[1], (32, 80))).astype(jnp.bfloat16)
+    w_down = (0.2 * jax.random.normal(k[2], (40, 24))).astype(jnp.bfloat16)
+    g = jax.random.normal(k[3], (2, 24, 24), jnp.bfloat16)
+    h_up = 4 * jnp.abs(jax.random.normal(k[4], (3, 16)))  # not the current amaxes: the scales
+    return x, w_up, w_down, h_up, h_up[::-1] / 2, g       # must come from the histories
+
+
+@pytest.mark.parametrize("ops_name", ["ffi", "xla"])
+def test_swiglu_mlp_is_its_two_products_bit_for_bit(ops_name):
+    """The gated MLP as one piece (swiglu's FP8 forms writing the copies the products would
+    cast) computes what the two products around swiglu do: output, every gradient and both
+    new histories, to the bit, with our kernels and with the plain-XLA ops."""
+    ops = model_ops.get(ops_name)
+    x, w_up, w_down, h_up, h_down, g = _mlp_operands()
+    recipe = fp8.Recipe("delayed", every=True)
+
+    def products(x, w_up, w_down, h_up, h_down):
+        h = fp8.matmul(x, w_up, h_up, recipe=recipe)
+        return fp8.matmul(ops.swiglu(h.reshape(2, 24, 2, 40)), w_down, h_down, recipe=recipe)
+
+    def piece(x, w_up, w_down, h_up, h_down):
+        return fp8.swiglu_mlp(x, w_up, w_down, h_up, h_down, recipe=recipe, ops=ops)
+
+    args = (x, w_up, w_down, h_up, h_down)
+    want, want_vjp = jax.vjp(products, *args)
+    got, got_vjp = jax.vjp(piece, *args)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.jit(got_vjp)(g), jax.jit(want_vjp)(g)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="calibrated"):
+        fp8.swiglu_mlp(*args, recipe=fp8.Recipe("dynamic"), ops=ops)
+    with pytest.raises(ValueError, match="gated MLP"):
+        fp8.swiglu_mlp(x, w_down, w_up, h_up, h_down, recipe=recipe, ops=ops)
+
+
+def test_the_calibrated_step_runs_the_mlp_as_one_piece():
+    """Delayed scaling after its first step runs each block's MLP through swiglu's FP8 forms;
+    the first step, dynamic scaling and fp8_fuse=False run the two products."""
+    config = llama.PRESETS["llama-tiny"]
+    x = jnp.zeros((1, 2, 16), jnp.int32)
+
+    def lowered(calibrated, **kw):
+        tcfg = train.TrainConfig(steps=2, dtype="bf16", fp8="all", **kw)
+        state = jax.eval_shape(lambda: train.init_state(config, tcfg, jax.random.key(0)))
+        if calibrated:
+            state = state._replace(fp8=fp8.History(state.fp8.amaxes, True))
+        return train.make_train_step(config, tcfg).lower(state, x, x).as_text()
+
+    fused = ("blujax_swiglu_fwd_fp8", "blujax_swiglu_bwd_fp8")
+    assert all(t in lowered(True) for t in fused)
+    for text in (lowered(False), lowered(True, fp8_fuse=False)):
+        assert not any(t in text for t in fused) and "blujax_swiglu_fwd" in text
+    assert "blujax_swiglu_fwd_fp8" not in lowered(False, fp8_scaling="dynamic")
 
 
 def test_delayed_scaling_reads_the_history_and_shifts_the_new_amaxes_in():
@@ -188,7 +247,7 @@ def test_train_step_in_fp8_follows_bf16(config, scaling):
         assert (h[:, :, :3] > 0).all() and (h[:, :, 3:] == 0).all()
 
 
-_MESH_CASE = (dataclasses.replace(gpt2.PRESETS["tiny"], n_head=2),
+_MESH_CASE = (dataclasses.replace(llama.PRESETS["llama-tiny"], n_kv_head=2),
               train.TrainConfig(steps=10, dtype="f32", fp8="all", fp8_scaling="delayed",
                                 learning_rate=1e-3))
 
@@ -203,9 +262,11 @@ def _one_device_run():
 @pytest.mark.parametrize("collective_matmul", [False, True])
 def test_fp8_on_a_mesh_matches_one_device(collective_matmul):
     """data 2 x fsdp 2 x tensor 2, delayed scaling: each amax is the max over every device, so
-    the mesh scales as one device does: the same losses and amax histories to rounding. With
-    collective matmul each tensor-parallel product runs slice by slice: every slice scales as
-    the whole, and the history records the whole's amaxes (not their sum over the slices)."""
+    the mesh scales as one device does: the same losses and amax histories to rounding. The
+    MLP runs as one FP8 piece between the sequence's gather and reduce. With collective
+    matmul each tensor-parallel product runs slice by slice (the MLP product by product):
+    every slice scales as the whole, and the history records the whole's amaxes (not their
+    sum over the slices)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (the emulated CPUs of tests/conftest.py)")
     config, tcfg = _MESH_CASE

@@ -245,3 +245,134 @@ def test_cuda_large_rows(rng, shape, dtype):
     assert_close(ops.swiglu(x), spec.swiglu(x), dtype)
     assert_close(jax.grad(_loss(ops.swiglu, ct))(x), jax.grad(_loss(spec.swiglu, ct))(x), dtype,
                  factor=2)
+
+
+# --- the FP8 forms (blujax.fp8's fused MLP) ------------------------------------------------------
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# (x's shape, dtype, format, scale): rows and columns around the CUDA kernel's 64 x 64 tiles;
+# F = 5, 1001 take its any-shape path, row counts that are not multiples of 16 its
+# byte-by-byte transposed writes (32 and 96 rows its 16-byte ones); no rows at all; a scale
+# that is not a power of two (a division, not a multiply).
+_BF, _F32 = jnp.bfloat16, jnp.float32
+FP8_CASES = [
+    ((3, 2, 5), _F32, E4M3, 2.0 ** -5), ((3, 2, 5), _BF, E5M2, 2.0 ** -14),
+    ((4, 5, 2, 64), _BF, E4M3, 2.0 ** -5), ((130, 2, 72), _BF, E4M3, 0.37),
+    ((130, 2, 72), _F32, E5M2, 2.0 ** -14), ((70, 2, 1001), _BF, E5M2, 2.0 ** -14),
+    ((70, 2, 1001), _F32, E4M3, 2.0 ** -5), ((2, 0, 2, 8), _BF, E4M3, 2.0 ** -5),
+    ((32, 2, 64), _BF, E4M3, 2.0 ** -5), ((32, 2, 64), _F32, E4M3, 0.37),
+    ((2, 48, 2, 136), _BF, E5M2, 2.0 ** -14),
+]
+
+
+def _copy(y, scale, fmt):
+    """What the FP8 forms must write for y [N, K]: the cast a product would do of it."""
+    return spec.fp8_copy(y, scale, fmt)
+
+
+def _fp8_forms(x, dy, scale, fmt):
+    """(forward, backward) FP8 forms of our kernel and the casts of its plain outputs."""
+    f = x.shape[-1]
+    dx = jax.vjp(ops.swiglu, x)[1](dy)[0]
+    return ((ops.swiglu_fwd_fp8(x, scale, fmt), _copy(ops.swiglu(x).reshape(-1, f), scale, fmt)),
+            (ops.swiglu_bwd_fp8(dy, x, scale, fmt), _copy(dx.reshape(-1, 2 * f), scale, fmt)))
+
+
+def _bits(a):
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)) if a.dtype.itemsize == 1 \
+        else np.asarray(a)
+
+
+@pytest.mark.parametrize("shape,dtype,fmt,scale", FP8_CASES,
+                         ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else str(v))
+def test_fp8_forms_are_the_cast_of_the_kernels_output(rng, shape, dtype, fmt, scale):
+    """q, its transpose and the amax are, to the bit, what casting swiglu's (or its
+    backward's) output in x's dtype gives: the fused MLP then computes what the products do."""
+    x = randn(rng, shape, dtype, 3.0)
+    dy = randn(rng, _out_shape(shape), dtype)
+    for got, want in _fp8_forms(x, dy, jnp.float32(scale), fmt):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape)
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_fp8_forms_against_the_spec(rng, dtype):
+    """Against the jnp spec (swiglu in float32, then the cast): the kernel's own rounding of
+    y can move a value across an FP8 rounding boundary, by one code at most."""
+    x = randn(rng, (33, 2, 72), dtype, 3.0)
+    dy = randn(rng, (33, 72), dtype)
+    s = jnp.float32(2.0 ** -6)
+    for got, want in ((ops.swiglu_fwd_fp8(x, s), spec.swiglu_fwd_fp8(x, s)),
+                      (ops.swiglu_bwd_fp8(dy, x, s), spec.swiglu_bwd_fp8(dy, x, s))):
+        for a, b in zip(got[:2], want[:2]):
+            codes = np.abs(_bits(a).astype(int) - _bits(b).astype(int))
+            assert codes.max() <= 1 and codes.mean() < 0.05
+        assert_close(got[2], want[2], dtype)
+
+
+def test_fp8_forms_saturate_and_carry_nan_into_the_amax():
+    x = jnp.array([[[1e4, -1e4, 0.5, 2.0], [1.0, 1.0, 1.0, 1.0]]], jnp.float32)
+    q, qt, amax = ops.swiglu_fwd_fp8(x, jnp.float32(1.0))
+    assert q.astype(jnp.float32).tolist() == [[448.0, 0.0, 0.3125, 1.75]]
+    assert float(amax) == 1e4
+    assert np.isnan(float(ops.swiglu_fwd_fp8(x.at[0, 1, 2].set(jnp.nan), jnp.float32(1.0))[2]))
+    dy = jnp.full((1, 4), 1e9, jnp.float32)
+    q, _, amax = ops.swiglu_bwd_fp8(dy, x, jnp.float32(1.0), E5M2)
+    assert float(jnp.max(q.astype(jnp.float32))) == 57344.0 and amax > 57344.0
+
+
+def test_fp8_forms_reject_bad_arguments(rng):
+    x = randn(rng, (4, 2, 8), jnp.float32)
+    dy = randn(rng, (4, 8), jnp.float32)
+    s = jnp.float32(1.0)
+    with pytest.raises(TypeError, match="float32 scalar"):
+        ops.swiglu_fwd_fp8(x, jnp.ones(2))
+    with pytest.raises(TypeError, match="float32 scalar"):
+        ops.swiglu_fwd_fp8(x, jnp.bfloat16(1.0))
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        ops.swiglu_fwd_fp8(x, s, jnp.bfloat16)
+    with pytest.raises(TypeError, match="dtype float64"):
+        with jax.enable_x64(True):
+            ops.swiglu_fwd_fp8(np.ones((4, 2, 8)), s)
+    with pytest.raises(ValueError, match="dy must be"):
+        ops.swiglu_bwd_fp8(dy[:3], x, s)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2, F\]"):
+        ops.swiglu_bwd_fp8(dy, jnp.ones((4, 3, 8)), s)
+
+
+@pytest.mark.parametrize("case", ["q_dtype", "qt_shape", "q_size", "scale_dtype", "amax_shape",
+                                  "dy_size"])
+def test_fp8_handlers_reject_inconsistent_buffers(rng, case):
+    x = randn(rng, (4, 2, 8), jnp.float32)
+    dy = randn(rng, (4, 8), jnp.float32)
+    s = jnp.float32(1.0)
+    sds = jax.ShapeDtypeStruct
+    amax = sds((), jnp.float32)
+    fwd, bwd = "blujax_swiglu_fwd_fp8", "blujax_swiglu_bwd_fp8"
+    calls = {
+        "q_dtype": lambda: _raw(fwd, (sds((4, 8), jnp.bfloat16), sds((8, 4), jnp.bfloat16),
+                                      amax), x, s),
+        "qt_shape": lambda: _raw(fwd, (sds((4, 8), E4M3), sds((4, 8), E4M3), amax), x, s),
+        "q_size": lambda: _raw(bwd, (sds((4, 8), E5M2), sds((16, 4), E5M2), amax), dy, x, s),
+        "scale_dtype": lambda: _raw(fwd, (sds((4, 8), E4M3), sds((8, 4), E4M3), amax), x,
+                                    s.astype(jnp.bfloat16)),
+        "amax_shape": lambda: _raw(fwd, (sds((4, 8), E4M3), sds((8, 4), E4M3),
+                                         sds((2,), jnp.float32)), x, s),
+        "dy_size": lambda: _raw(bwd, (sds((4, 16), E5M2), sds((16, 4), E5M2), amax), dy[:3],
+                                x, s),
+    }
+    with pytest.raises(Exception, match="blujax_swiglu_(fwd|bwd)_fp8: "):
+        jax.block_until_ready(calls[case]())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16384, 2, 1376), (4099, 2, 2048), (517, 2, 1001)], ids=str)
+def test_cuda_fp8_forms_large(rng, shape):
+    # Many tiles: 16384 rows with 16-byte transposed writes, 4099 byte by byte, 1001 columns
+    # the any-shape loads.
+    x = randn(rng, shape, jnp.bfloat16, 3.0)
+    dy = randn(rng, _out_shape(shape), jnp.bfloat16)
+    for got, want in _fp8_forms(x, dy, jnp.float32(2.0 ** -6), E4M3):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_bits(a), _bits(b))

@@ -17,7 +17,7 @@ from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
 from blujax.kernels.rms_norm import add_rms_norm, rms_norm
 from blujax.kernels.rope import rope, rope_qkv
-from blujax.kernels.swiglu import swiglu
+from blujax.kernels.swiglu import swiglu, swiglu_bwd_fp8, swiglu_fwd_fp8
 
 __all__ = [
     "adamw_update",
@@ -37,5 +37,7 @@ __all__ = [
     "softmax_cross_entropy",
     "softmax_cross_entropy_mean",
     "swiglu",
+    "swiglu_bwd_fp8",
+    "swiglu_fwd_fp8",
     "vocab_parallel_softmax_cross_entropy",
 ]

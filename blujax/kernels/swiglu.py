@@ -7,17 +7,28 @@ one [..., 2, F] tensor, with no concatenation pass. Arithmetic is in float32 (fl
 float64 x) and each result is rounded to x's dtype once. The forward saves only x; the backward
 recomputes sigmoid(gate) from it in the same single pass over dy and x. The jnp specification
 is `blujax.kernels.xla.swiglu`.
+
+The FP8 forms (`swiglu_fwd_fp8`, `swiglu_bwd_fp8`; float32 and bfloat16) are what blujax.fp8's
+fused MLP runs: in the same pass, instead of y (or the backward's dx), they write its FP8 copy
+at a given scale, the copy's transpose (an FP8 product wants both operands with the
+contracted axis innermost, and the weight-gradient product contracts over the rows) and its
+amax, where a separate cast would read y again. Not differentiable themselves: the fused MLP's
+own vjp calls the backward form. Specs: `blujax.kernels.xla.swiglu_fwd_fp8`, `swiglu_bwd_fp8`.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from blujax._ffi import require_kernels
-from blujax.kernels._util import check_dtype, check_float64_platform, result_type
+from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
+_FP8_INPUTS = (jnp.float32, jnp.bfloat16)
+_FP8_FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def swiglu(x):
@@ -29,6 +40,55 @@ def swiglu(x):
     _check(x)
     require_kernels("swiglu")
     return _swiglu(x)
+
+
+def swiglu_fwd_fp8(x, scale, dtype=jnp.float8_e4m3fn):
+    """(q, qt, amax) of y = swiglu(x) without y: q = y / scale saturated and rounded to dtype
+    (float8_e4m3fn or float8_e5m2), as rows [N, F] (N the product of x's axes before (2, F)),
+    qt its transpose [F, N], amax = max |y| float32 [] (y as swiglu writes it, in x's dtype).
+
+    x: [..., 2, F] float32 or bfloat16; scale: a float32 scalar (blujax.fp8.scale_of).
+    """
+    _check_fp8("swiglu_fwd_fp8", x, scale, dtype)
+    _check(x)
+    require_kernels("swiglu")
+    rows, f = math.prod(x.shape[:-2]), x.shape[-1]
+    x, scale = match_vma(x, jnp.asarray(scale, jnp.float32))
+    return jax.ffi.ffi_call(
+        "blujax_swiglu_fwd_fp8",
+        (result_type(x, (rows, f), dtype), result_type(x, (f, rows), dtype),
+         result_type(x, (), jnp.float32)),
+    )(x, scale)
+
+
+def swiglu_bwd_fp8(dy, x, scale, dtype=jnp.float8_e5m2):
+    """(q, qt, amax) of dx, swiglu's gradient at x for dy [..., F], without dx: as
+    swiglu_fwd_fp8's, of dx as rows [N, 2F] ((d gate, d up) a row, x's layout)."""
+    _check_fp8("swiglu_bwd_fp8", x, scale, dtype)
+    _check(x)
+    if getattr(dy, "shape", None) != x.shape[:-2] + x.shape[-1:] or dy.dtype != x.dtype:
+        raise ValueError(f"swiglu_bwd_fp8: dy must be {x.dtype} {x.shape[:-2] + x.shape[-1:]} "
+                         f"(x's shape without its axis of 2), got "
+                         f"{getattr(dy, 'dtype', type(dy).__name__)} {getattr(dy, 'shape', '')}")
+    require_kernels("swiglu")
+    rows, f = math.prod(x.shape[:-2]), x.shape[-1]
+    dy, x, scale = match_vma(dy, x, jnp.asarray(scale, jnp.float32))
+    return jax.ffi.ffi_call(
+        "blujax_swiglu_bwd_fp8",
+        (result_type(x, (rows, 2 * f), dtype), result_type(x, (2 * f, rows), dtype),
+         result_type(x, (), jnp.float32)),
+    )(dy, x, scale)
+
+
+def _check_fp8(op, x, scale, dtype):
+    if hasattr(x, "dtype"):  # (else _check says what x must be)
+        check_dtype(op, "x", x, _FP8_INPUTS)
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _FP8_FORMATS]:
+        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got "
+                        f"{jnp.dtype(dtype).name}")
+    if jnp.shape(scale) != () or jnp.result_type(scale) != jnp.float32:
+        raise TypeError(f"{op}: scale must be a float32 scalar, got "
+                        f"{jnp.result_type(scale).name} {jnp.shape(scale)}")
 
 
 def _check(x):

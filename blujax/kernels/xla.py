@@ -103,6 +103,30 @@ def swiglu(x):
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
+def swiglu_fwd_fp8(x, scale, dtype=jnp.float8_e4m3fn):
+    """swiglu's FP8 form, for an FP8 product that takes y: (q, qt, amax) with y = swiglu(x) as
+    rows [N, F] (N the product of x's axes before (2, F)), q = blujax.fp8.quantize(y, scale,
+    dtype) [N, F], qt its transpose [F, N] and amax = max |y| (float32)."""
+    return fp8_copy(swiglu(x).reshape(-1, x.shape[-1]), scale, dtype)
+
+
+def swiglu_bwd_fp8(dy, x, scale, dtype=jnp.float8_e5m2):
+    """The FP8 form of swiglu's backward, for an FP8 product's backward that takes dx: (q, qt,
+    amax) of dx = the gradient of swiglu at x for dy [..., F], as rows [N, 2F] ((d gate, d
+    up) each row, x's layout)."""
+    _, vjp = jax.vjp(swiglu, x)
+    (dx,) = vjp(dy)
+    return fp8_copy(dx.reshape(-1, 2 * x.shape[-1]), scale, dtype)
+
+
+def fp8_copy(y, scale, dtype):
+    """The FP8 forms' outputs for y [N, K]: (q, qt, amax) as swiglu_fwd_fp8 says."""
+    from blujax.fp8 import quantize  # the one definition of the cast (blujax.fp8 needs no ops)
+
+    q = quantize(y, jnp.asarray(scale, jnp.float32), dtype)
+    return q, q.T, jnp.max(jnp.abs(y), initial=0.0).astype(jnp.float32)
+
+
 def rope(x, cos, sin):
     """Rotary position embedding of x [..., T, N, D] by cos, sin [T, D/2], Hugging Face
     Llama's rotate_half form: for d < D/2, y[d] = x[d] cos[t, d] - x[d + D/2] sin[t, d] and

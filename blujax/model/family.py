@@ -166,7 +166,9 @@ class OneDevice:
     positions: the same for the tokens a column-parallel product's output holds (all T, where
     a sequence-parallel run splits the residual stream further: rotary tables). gather_matmul: a
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
-    product, its partial sums reduced. attention(ops): the causal attention of a block, an
+    product, its partial sums reduced; gather_sequence and reduce_sequence: the communication
+    alone of each (x whole along the sequence; partial sums reduced and split along it);
+    swiglu_mlp: the gated MLP, the two products around ops.swiglu. attention(ops): the causal attention of a block, an
     `Attend` (on a mesh, of this device's query heads, and its key/value heads or all of them
     where the layout keeps "kv_heads" whole). loss: this device's share (sum / n_tokens) of the
     mean cross-entropy of logits [N, V] against [N].
@@ -203,6 +205,17 @@ class OneDevice:
         return saved(dot(x, w))
 
     @staticmethod
+    def gather_sequence(x):
+        return x
+
+    @staticmethod
+    def reduce_sequence(y):
+        return y
+
+    def swiglu_mlp(self, ops, x, w_up, w_down):
+        return swiglu_mlp(self, ops, x, w_up, w_down)
+
+    @staticmethod
     def amax_reduce(a):
         return a
 
@@ -218,6 +231,14 @@ class OneDevice:
 
 
 ONE_DEVICE = OneDevice()
+
+
+def swiglu_mlp(par, ops, x, w_up, w_down):
+    """The gated MLP on a device's hooks: swiglu(x @ w_up) @ w_down, w_up [C, 2F] (gate and
+    up, this device's F), w_down [F, C], as the two products gather_matmul ("up") and
+    matmul_reduce ("down") run. (blujax.fp8's hooks may run it as one FP8 piece instead.)"""
+    g = par.gather_matmul(x, w_up, "up")
+    return par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:-1], 2, -1)), w_down, "down")
 
 
 def causal_attention(ops, qkv):

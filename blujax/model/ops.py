@@ -65,6 +65,17 @@ def _swiglu(x):
     return jax.nn.silu(x[..., 0, :]) * x[..., 1, :]
 
 
+# blujax.fp8's fused MLP: the cast of this namespace's swiglu (and of its gradient), which
+# XLA fuses into the pass that computes it.
+def _swiglu_fwd_fp8(x, scale, dtype=jnp.float8_e4m3fn):
+    return xla.fp8_copy(_swiglu(x).reshape(-1, x.shape[-1]), scale, dtype)
+
+
+def _swiglu_bwd_fp8(dy, x, scale, dtype=jnp.float8_e5m2):
+    dx = jax.vjp(_swiglu, x)[1](dy)[0]
+    return xla.fp8_copy(dx.reshape(-1, 2 * x.shape[-1]), scale, dtype)
+
+
 def _rope(x, cos, sin):
     # As Hugging Face Llama writes it: full-width tables [T, D] cast to x's dtype, then
     # x * cos + rotate_half(x) * sin, broadcast over the heads of x [..., T, N, D].
@@ -102,6 +113,8 @@ XLA = Namespace(
     add_rms_norm=_add_rms_norm,
     gelu=xla.gelu,
     swiglu=_swiglu,
+    swiglu_fwd_fp8=_swiglu_fwd_fp8,
+    swiglu_bwd_fp8=_swiglu_bwd_fp8,
     rope=_rope,
     rope_qkv=_rope_qkv,
     softmax_cross_entropy=xla.softmax_cross_entropy,

@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from blujax.model.family import (ATTENTION, GATHERED, Attend, causal_attention,
-                                 heads_attention, saved)
+                                 heads_attention, saved, swiglu_mlp)
 from blujax.sharding.mesh import AXES, CONTEXT, FSDP, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
@@ -132,13 +132,24 @@ class Parallel:
         """dot(all_gather(x over "tensor", along the sequence), w)."""
         if self.collective_matmul and self.tensor > 1:
             return saved(_gather_matmul(x, w, self.tensor, dot))
-        return saved(dot(jax.lax.all_gather(x, TENSOR, axis=1, tiled=True), w))
+        return saved(dot(self.gather_sequence(x), w))
 
     def matmul_reduce(self, x, w, name=None, dot=jnp.matmul):
         """psum_scatter(dot(x, w) over "tensor", along the sequence)."""
         if self.collective_matmul and self.tensor > 1:
             return saved(_matmul_reduce(x, w, self.tensor, dot))
-        return saved(jax.lax.psum_scatter(dot(x, w), TENSOR, scatter_dimension=1, tiled=True))
+        return saved(self.reduce_sequence(dot(x, w)))
+
+    @staticmethod
+    def gather_sequence(x):
+        return jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
+
+    @staticmethod
+    def reduce_sequence(y):
+        return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
+
+    def swiglu_mlp(self, ops, x, w_up, w_down):
+        return swiglu_mlp(self, ops, x, w_up, w_down)
 
     @staticmethod
     def amax_reduce(a):

@@ -55,6 +55,8 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
     case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
     default: return "an unsupported dtype";
   }
 }

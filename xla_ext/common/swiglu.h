@@ -10,11 +10,20 @@
 //   d up     = dy g s
 // computed in float32 (float64 for float64 x) and rounded to x's dtype once. The backward
 // recomputes s from x: nothing but x is saved.
+//
+// The FP8 forms (blujax.fp8's fused MLP) write, instead of y or dx, its FP8 copy, the copy's
+// transpose and its amax (common/fp8.h), for the FP8 products that take them:
+//
+// blujax_swiglu_fwd_fp8  (x, scale)      -> q [rows, F], qt [F, rows], amax
+// blujax_swiglu_bwd_fp8  (dy, x, scale)  -> q [rows, 2F], qt [2F, rows], amax
+//
+// rows the product of x's axes before (2, F); x float32 or bfloat16.
 #pragma once
 
 #include <cstdint>
 
 #include "common/ffi_util.h"
+#include "common/fp8.h"
 
 namespace blujax {
 
@@ -68,6 +77,26 @@ inline ffi::Error CheckSwigluBwd(const char* op, bool allow_f64, const ffi::AnyB
   BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, allow_f64, d));
   BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
   return CheckLike(op, "dx", dx, "x", x);
+}
+
+// blujax_swiglu_fwd_fp8's operands and results. Fills d and format.
+inline ffi::Error CheckSwigluFwdFp8(const char* op, const ffi::AnyBuffer& x,
+                                    const ffi::AnyBuffer& scale, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& qt, const ffi::AnyBuffer& amax,
+                                    SwigluDims* d, Fp8Format* format) {
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/false, d));
+  return CheckFp8Copy(op, scale, q, qt, amax, d->rows, d->cols, format);
+}
+
+// blujax_swiglu_bwd_fp8's.
+inline ffi::Error CheckSwigluBwdFp8(const char* op, const ffi::AnyBuffer& dy,
+                                    const ffi::AnyBuffer& x, const ffi::AnyBuffer& scale,
+                                    const ffi::AnyBuffer& q, const ffi::AnyBuffer& qt,
+                                    const ffi::AnyBuffer& amax, SwigluDims* d,
+                                    Fp8Format* format) {
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluInput(op, x, /*allow_f64=*/false, d));
+  BLUJAX_RETURN_IF_ERROR(CheckSwigluHalf(op, "dy", dy, x));
+  return CheckFp8Copy(op, scale, q, qt, amax, d->rows, 2 * d->cols, format);
 }
 
 }  // namespace blujax

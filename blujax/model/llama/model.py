@@ -185,9 +185,7 @@ def block(layer, carry, *, config, ops, par, attend, rope):
     a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"], "out")
     h, s = ops.add_rms_norm(a, s, layer["mlp_norm"], eps=eps)
     w = layer["w_gate_up"]  # [C, 2, F] (this device's F)
-    g = par.gather_matmul(h, w.reshape(w.shape[0], -1), "up")
-    m = par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:2], 2, -1)), layer["w_down"],
-                         "down")
+    m = par.swiglu_mlp(ops, h, w.reshape(w.shape[0], -1), layer["w_down"])
     return (s, m), kv
 
 
