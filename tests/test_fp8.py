@@ -277,13 +277,20 @@ def test_fp8_on_a_mesh_matches_one_device(collective_matmul):
     # mesh) agrees to float32's rounding: its loss and all its amaxes (the oldest of the
     # three in the history). After it the mesh's other order of summing leaves the weights an
     # ulp apart, which can move an element across an FP8 rounding boundary (an e5m2 step is
-    # a quarter of its value): the losses stay close, the later amaxes within a few %.
+    # up to a quarter of its value), and every gradient downstream of it: the losses stay
+    # close, the later amaxes within half an e5m2 step (seen: up to 5.4%, which case and
+    # which jax version varying). Under collective matmul the first step scales each slice's
+    # gradient by the slice's own amax (fp8.Hooks._dot), so from the first backward on the
+    # gradients round apart from one device's: its gradient amaxes and the later losses are
+    # held to that.
+    grad_first, later_loss = (0.125, 1e-3) if collective_matmul else (1e-5, 1e-4)
     np.testing.assert_allclose(many[0], one[0], rtol=1e-6)
-    np.testing.assert_allclose(many, one, rtol=1e-4)
+    np.testing.assert_allclose(many, one, rtol=later_loss)
     for name in fp8.PRODUCTS:
         got, want = jax.device_get(s8.fp8.amaxes[name]), np.asarray(s1.fp8.amaxes[name])
-        np.testing.assert_allclose(got[:, :, 2], want[:, :, 2], rtol=1e-5)
-        np.testing.assert_allclose(got, want, rtol=0.05)
+        np.testing.assert_allclose(got[:, :2, 2], want[:, :2, 2], rtol=1e-5)
+        np.testing.assert_allclose(got[:, 2, 2], want[:, 2, 2], rtol=grad_first)
+        np.testing.assert_allclose(got, want, rtol=0.125)
 
 
 @pytest.mark.slow
