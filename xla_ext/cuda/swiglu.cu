@@ -95,7 +95,6 @@ constexpr int kTile = 64;  // rows and columns of a tile
 constexpr int kPer = 8;    // consecutive columns a thread takes at once (16 bytes of bfloat16)
 constexpr int kGroups = kTile / kPer;  // column groups of a tile row
 
-
 // Division by the scale: by a multiply where the scale is a power of two with a normal
 // reciprocal (blujax.fp8's always are), which gives the quotient exactly; else the IEEE
 // division (under fast math a plain / would be approximate).
@@ -144,7 +143,7 @@ __device__ __forceinline__ void PutRun(const float (&v)[kPer], const Divisor& sc
                                        uint8_t* q, int64_t r, int64_t c, int64_t cols,
                                        int64_t width, bool packed, uint8_t (*tile)[kTile + 4],
                                        int tr, int tc, unsigned* amax_bits) {
-  uint8_t b[kPer];
+  alignas(8) uint8_t b[kPer];  // stored as one uint2 where packed
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const float w = ToFloat(FromFloat<T>(v[k]));
