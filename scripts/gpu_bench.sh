@@ -58,16 +58,16 @@ for run in "$@"; do
   while [[ "$run" == *" "* && "${run%% *}" == *=* ]]; do envs+=("${run%% *}"); run=${run#* }; done
   wrap=()
   case "${run%% *}" in
-    sanitize) wrap=(compute-sanitizer --tool memcheck --error-exitcode 9 --log-file
-                    "$out/$n.sanitizer.log"); run=${run#* } ;;
-    racecheck) wrap=(compute-sanitizer --tool racecheck --error-exitcode 9 --log-file
-                     "$out/$n.sanitizer.log"); run=${run#* } ;;
+    sanitize|racecheck)
+      tool=${run%% *}; [ "$tool" = sanitize ] && tool=memcheck
+      wrap=(compute-sanitizer --tool "$tool" --error-exitcode 9 --log-file "$out/$n.sanitizer.log")
+      run=${run#* } ;;
   esac
   if [ "${run%% *}" = pytest ]; then
     # From the build's folder, so that the repo's own blujax (no CUDA kernels) is not first.
     args=$(echo " ${run#pytest}" | sed "s# tests/# $repo/tests/#g")
-    (cd "$work" && env "${envs[@]}" "${wrap[@]}" "$py" -m pytest -p no:cacheprovider --rootdir "$repo" \
-      -c "$repo/pyproject.toml" $args) >"$out/$n.log" 2>&1
+    (cd "$work" && env "${envs[@]}" "${wrap[@]}" "$py" -m pytest -p no:cacheprovider \
+      --rootdir "$repo" -c "$repo/pyproject.toml" $args) >"$out/$n.log" 2>&1
   else
     (cd "$work" && env "${envs[@]}" "$py" -m $run) >"$out/$n.log" 2>&1
   fi

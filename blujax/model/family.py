@@ -168,10 +168,10 @@ class OneDevice:
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
     product, its partial sums reduced; gather_sequence and reduce_sequence: the communication
     alone of each (x whole along the sequence; partial sums reduced and split along it);
-    swiglu_mlp: the gated MLP, the two products around ops.swiglu. attention(ops): the causal attention of a block, an
-    `Attend` (on a mesh, of this device's query heads, and its key/value heads or all of them
-    where the layout keeps "kv_heads" whole). loss: this device's share (sum / n_tokens) of the
-    mean cross-entropy of logits [N, V] against [N].
+    swiglu_mlp: the gated MLP, the two products around ops.swiglu. attention(ops): the causal
+    attention of a block, an `Attend` (on a mesh, of this device's query heads, and its
+    key/value heads or all of them where the layout keeps "kv_heads" whole). loss: this
+    device's share (sum / n_tokens) of the mean cross-entropy of logits [N, V] against [N].
     """
 
     gathers = False
