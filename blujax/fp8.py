@@ -28,13 +28,18 @@ Which products: the four of every block (PRODUCTS: the attention's input and out
 projections, the MLP's two), where FP8 pays (`pays`: the measured rule; recipe.every puts all
 four in FP8 whatever it says). The LM head and the embedding stay in the compute dtype.
 
-The casts fused into our kernels: where a gated MLP's two products are both in FP8 and delayed
-scaling knows every scale before the step (`fuses`), the MLP runs as one piece
-(`swiglu_mlp`): SwiGLU's kernel writes the FP8 copy of its output (and its transpose, for the
-weight gradient's product) and its amax in the pass that computes it, and its backward does
-the same for the gradient the up product's backward takes. Neither bfloat16 tensor is written,
-nor read again by a cast. The result is the products' to the bit (tests/test_fp8.py). Dynamic
-scaling, delayed scaling's first step and collective matmul run product by product.
+The casts fused into our kernels: where the products are in FP8 and delayed scaling knows
+every scale before the step (`fuses`), a product runs as one piece with the kernels beside it,
+which write the FP8 copy of what they make (and its transpose, for the weight gradient's
+product) and its amax in the pass that computes it:
+- `norm_swiglu_mlp`: add_rms_norm, the up product, SwiGLU, the down product. The norm's FP8
+  form writes the up product's input; SwiGLU's forms write the down product's input and the
+  gradient the up product's backward takes (`swiglu_mlp` is the same piece without the norm,
+  where a sequence gather comes between the two).
+- `norm_matmul`: add_rms_norm and the attention's input product.
+No bfloat16 copy of those tensors is written, nor read again by a cast. Each piece computes
+the norm and products' results to the bit (tests/test_fp8.py). Dynamic scaling, delayed
+scaling's first step and collective matmul run product by product.
 
 Compiling: on a GPU XLA autotunes Triton GEMM candidates for every FP8 product, which makes a
 step compile for minutes (llama-1b: 89 s a program on an H200, and delayed scaling compiles two,
@@ -245,14 +250,27 @@ fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
 # --------------------------------------------------------------------------------------------
-# The gated MLP as one piece
+# Pieces: the products with the kernels beside them
 
 
 def fuses(recipe: Recipe) -> bool:
-    """Whether swiglu_mlp can run under `recipe`: its kernels write the FP8 copies in the pass
-    that makes the tensor, so each scale must be known before it: delayed scaling's, from the
-    history, after its calibrating first step."""
+    """Whether the pieces can run under `recipe`: their kernels write the FP8 copies in the
+    pass that makes the tensor, so each scale must be known before it: delayed scaling's, from
+    the history, after its calibrating first step."""
     return recipe.fuse and recipe.delayed and not recipe.calibrating
+
+
+def _check_fuses(piece, recipe):
+    if not fuses(recipe):
+        raise ValueError(f"fp8.{piece} needs delayed scaling's scales (a calibrated history)")
+
+
+def _check_mlp(piece, c, w_up, w_down):
+    F = w_down.shape[0]
+    if w_up.shape != (c, 2 * F) or w_down.ndim != 2:
+        raise ValueError(f"fp8.{piece}: x [..., {c}], w_up {w_up.shape} and w_down "
+                         f"{w_down.shape} do not make a gated MLP (w_up must be [C, 2F] for "
+                         f"w_down [F, N])")
 
 
 def swiglu_mlp(x, w_up, w_down, h_up, h_down, *, recipe: Recipe, ops,
@@ -266,14 +284,125 @@ def swiglu_mlp(x, w_up, w_down, h_up, h_down, *, recipe: Recipe, ops,
     x [..., C]; w_up [C, 2F] (gate, up); w_down [F, N]; h_up, h_down: the two products'
     histories as `matmul` takes them. Delayed scaling after calibration only (`fuses`); the
     gradients with respect to h_up, h_down are their new histories, as `matmul`'s."""
-    if not fuses(recipe):
-        raise ValueError("fp8.swiglu_mlp needs delayed scaling's scales (a calibrated history)")
-    C, F = x.shape[-1], w_down.shape[0]
-    if w_up.shape != (C, 2 * F) or w_down.ndim != 2:
-        raise ValueError(f"fp8.swiglu_mlp: x {x.shape}, w_up {w_up.shape} and w_down "
-                         f"{w_down.shape} do not make a gated MLP (w_up must be [C, 2F] for "
-                         f"w_down [F, N])")
+    _check_fuses("swiglu_mlp", recipe)
+    _check_mlp("swiglu_mlp", x.shape[-1], w_up, w_down)
     return _swiglu_mlp(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce)
+
+
+def norm_matmul(x, residual, gamma, w, history, *, eps: float, recipe: Recipe, ops,
+                amax_reduce: Callable = _no_reduce):
+    """(rms_norm(s) @ w, s) with s = x + residual (ops.add_rms_norm's), the product in FP8:
+    as `matmul` on add_rms_norm's output computes it, in fewer passes: add_rms_norm's FP8 form
+    (ops.add_rms_norm_fwd_fp8) writes the normalised rows' FP8 copy at their delayed scale,
+    transposed too, and their amax, where the product would cast them in a pass of their own;
+    the bfloat16 normalised rows are never written. Its backward is add_rms_norm's
+    (ops.add_rms_norm_bwd) on the product's.
+
+    x, residual [..., C]; gamma [C]; w [C, N]; history: the product's, as `matmul` takes it.
+    Delayed scaling after calibration only (`fuses`)."""
+    _check_fuses("norm_matmul", recipe)
+    if x.shape[-1] != w.shape[0] or w.ndim != 2:
+        raise ValueError(f"fp8.norm_matmul: x {x.shape} @ w {w.shape} do not multiply")
+    return _norm_matmul(x, residual, gamma, w, history, float(eps), recipe, ops, amax_reduce)
+
+
+def norm_swiglu_mlp(x, residual, gamma, w_up, w_down, h_up, h_down, *, eps: float,
+                    recipe: Recipe, ops, amax_reduce: Callable = _no_reduce):
+    """(swiglu_mlp(rms_norm(s)), s) with s = x + residual: `norm_matmul`'s norm in front of
+    `swiglu_mlp`, so that the up product too takes an FP8 copy its kernel wrote."""
+    _check_fuses("norm_swiglu_mlp", recipe)
+    _check_mlp("norm_swiglu_mlp", x.shape[-1], w_up, w_down)
+    return _norm_swiglu_mlp(x, residual, gamma, w_up, w_down, h_up, h_down, float(eps),
+                            recipe, ops, amax_reduce)
+
+
+# What the pieces share. An input stage makes the first product's FP8 input: a cast (`_cast`)
+# or add_rms_norm's FP8 form (`_norm`, which also writes the transpose the weight-gradient
+# product takes); then one product (`_product_*`) or the gated MLP (`_mlp_*`); the backward
+# gives the input stage the first product's bfloat16 input gradient.
+
+
+def _cast_weight(w, history, recipe, reduce):
+    a = reduce(amax(w))
+    s = _scales(a, history, 1, E4M3, recipe)
+    return quantize(w, s, E4M3), s, a
+
+
+def _cast(x, history, recipe, reduce):
+    """x as rows [M, C] cast at its scale: (xq, its wgrad operand (xq, contracted axis 0), sx,
+    ax)."""
+    xs = x.reshape(-1, x.shape[-1])
+    ax = reduce(amax(xs))
+    sx = _scales(ax, history, 0, E4M3, recipe)
+    xq = quantize(xs, sx, E4M3)
+    return xq, (xq, 0), sx, ax
+
+
+def _norm(x, residual, gamma, history, eps, recipe, ops, reduce):
+    """add_rms_norm's FP8 form: (xq, its wgrad operand (xqt, contracted axis 1), sx, ax, s,
+    what the norm's backward needs)."""
+    sx = _scales(None, history, 0, E4M3, recipe)
+    xq, xqt, ax, s, rstd = ops.add_rms_norm_fwd_fp8(x, residual, gamma, sx, E4M3, eps=eps)
+    return xq, (xqt, 1), sx, reduce(ax), s, (s, gamma, rstd)
+
+
+def _norm_bwd(dn, ds, norm_res, eps, ops):
+    s, gamma, rstd = norm_res
+    dx, dgamma = ops.add_rms_norm_bwd(dn.reshape(s.shape), ds, s, gamma, rstd, eps=eps)
+    return dx, dx, dgamma
+
+
+def _wgrad(x_op, sx, gq, sg, dtype):
+    """x^T g [C, N] from the input's wgrad operand (rows, or their transpose) and g [M, N]."""
+    xm, axis = x_op
+    return scaled_dot(xm, sx, gq, sg, ((axis,), (0,)), dtype)
+
+
+def _grad_cast(g, history, fmt, recipe, reduce):
+    gs = g.reshape(-1, g.shape[-1])
+    ag = reduce(amax(gs))
+    sg = _scales(ag, history, 2, fmt, recipe)
+    return quantize(gs, sg, fmt), sg, ag
+
+
+def _product_fwd(xq, sx, w, history, recipe, reduce, dtype):
+    wq, sw, aw = _cast_weight(w, history, recipe, reduce)
+    return scaled_dot(xq, sx, wq, sw, ((1,), (0,)), dtype), (wq, sw, aw)
+
+
+def _product_bwd(g, x_op, sx, ax, res, history, recipe, reduce):
+    """(dx [M, C], dw, the new history)."""
+    wq, sw, aw = res
+    gq, sg, ag = _grad_cast(g, history, FORMATS[recipe.grad], recipe, reduce)
+    dx = scaled_dot(gq, sg, wq, sw, ((1,), (1,)), g.dtype)
+    dw = _wgrad(x_op, sx, gq, sg, g.dtype)
+    return dx, dw, _shifted(history, ax, aw, ag)
+
+
+def _mlp_fwd(xq, sx, w_up, w_down, h_up, h_down, recipe, ops, reduce, dtype):
+    F = w_down.shape[0]
+    w1q, s1, a1 = _cast_weight(w_up, h_up, recipe, reduce)
+    w2q, s2, a2 = _cast_weight(w_down, h_down, recipe, reduce)
+    sa = _scales(None, h_down, 0, E4M3, recipe)
+    h = scaled_dot(xq, sx, w1q, s1, ((1,), (0,)), dtype).reshape(-1, 2, F)
+    aq, aqt, aa = ops.swiglu_fwd_fp8(h, sa, E4M3)
+    y = scaled_dot(aq, sa, w2q, s2, ((1,), (0,)), dtype)
+    return y, (w1q, s1, a1, h, aqt, sa, reduce(aa), w2q, s2, a2)
+
+
+def _mlp_bwd(g, x_op, sx, ax, res, h_up, h_down, recipe, ops, reduce):
+    """(dx [M, C], dw_up, dw_down, the new h_up, h_down)."""
+    w1q, s1, a1, h, aqt, sa, aa, w2q, s2, a2 = res
+    dtype, fmt = g.dtype, FORMATS[recipe.grad]
+    gq, sg, ag = _grad_cast(g, h_down, fmt, recipe, reduce)
+    da = scaled_dot(gq, sg, w2q, s2, ((1,), (1,)), dtype)  # [M, F]
+    dw2 = scaled_dot(aqt, sa, gq, sg, ((1,), (0,)), dtype)  # [F, N]
+    sd = _scales(None, h_up, 2, fmt, recipe)
+    dq, dqt, ad = ops.swiglu_bwd_fp8(da, h, sd, fmt)  # d(gate, up) [M, 2F] and [2F, M]
+    dx = scaled_dot(dq, sd, w1q, s1, ((1,), (1,)), dtype)  # [M, C]
+    xm, axis = x_op
+    dw1 = scaled_dot(xm, sx, dqt, sd, ((axis,), (1,)), dtype)  # [C, 2F]
+    return (dx, dw1, dw2, _shifted(h_up, ax, a1, reduce(ad)), _shifted(h_down, aa, a2, ag))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -282,38 +411,65 @@ def _swiglu_mlp(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce):
 
 
 def _swiglu_mlp_fwd(x, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce):
-    dtype, F = x.dtype, w_down.shape[0]
-    xs = x.reshape(-1, x.shape[-1])
-    ax, a1, a2 = (amax_reduce(amax(t)) for t in (xs, w_up, w_down))
-    sx, s1 = _scales(ax, h_up, 0, E4M3, recipe), _scales(a1, h_up, 1, E4M3, recipe)
-    sa, s2 = _scales(None, h_down, 0, E4M3, recipe), _scales(a2, h_down, 1, E4M3, recipe)
-    xq, w1q, w2q = quantize(xs, sx, E4M3), quantize(w_up, s1, E4M3), quantize(w_down, s2, E4M3)
-    h = scaled_dot(xq, sx, w1q, s1, ((1,), (0,)), dtype).reshape(-1, 2, F)
-    aq, aqt, aa = ops.swiglu_fwd_fp8(h, sa, E4M3)
-    y = scaled_dot(aq, sa, w2q, s2, ((1,), (0,)), dtype)
-    amaxes = (ax, a1, amax_reduce(aa), a2)
-    res = (xq, sx, w1q, s1, h, aqt, sa, w2q, s2, amaxes, h_up, h_down, x.shape)
-    return y.reshape(*x.shape[:-1], -1), res
+    xq, x_op, sx, ax = _cast(x, h_up, recipe, amax_reduce)
+    y, res = _mlp_fwd(xq, sx, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce, x.dtype)
+    return y.reshape(*x.shape[:-1], -1), (x_op, sx, ax, res, h_up, h_down, x.shape)
 
 
-def _swiglu_mlp_bwd(recipe, ops, amax_reduce, res, g):
-    xq, sx, w1q, s1, h, aqt, sa, w2q, s2, (ax, a1, aa, a2), h_up, h_down, shape = res
-    dtype, fmt, F = g.dtype, FORMATS[recipe.grad], w2q.shape[0]
-    gs = g.reshape(-1, g.shape[-1])
-    ag = amax_reduce(amax(gs))
-    sg = _scales(ag, h_down, 2, fmt, recipe)
-    gq = quantize(gs, sg, fmt)
-    da = scaled_dot(gq, sg, w2q, s2, ((1,), (1,)), dtype)  # [M, F]
-    dw2 = scaled_dot(aqt, sa, gq, sg, ((1,), (0,)), dtype)  # [F, N]
-    sd = _scales(None, h_up, 2, fmt, recipe)
-    dq, dqt, ad = ops.swiglu_bwd_fp8(da, h, sd, fmt)  # d(gate, up) [M, 2F] and [2F, M]
-    dx = scaled_dot(dq, sd, w1q, s1, ((1,), (1,)), dtype)  # [M, C]
-    dw1 = scaled_dot(xq, sx, dqt, sd, ((0,), (1,)), dtype)  # [C, 2F]
-    return (dx.reshape(shape), dw1, dw2, _shifted(h_up, ax, a1, amax_reduce(ad)),
-            _shifted(h_down, aa, a2, ag))
+def _swiglu_mlp_bwd(recipe, ops, amax_reduce, saved_, g):
+    x_op, sx, ax, res, h_up, h_down, shape = saved_
+    dx, *rest = _mlp_bwd(g, x_op, sx, ax, res, h_up, h_down, recipe, ops, amax_reduce)
+    return (dx.reshape(shape), *rest)
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _norm_matmul(x, residual, gamma, w, history, eps, recipe, ops, amax_reduce):
+    return _norm_matmul_fwd(x, residual, gamma, w, history, eps, recipe, ops, amax_reduce)[0]
+
+
+def _norm_matmul_fwd(x, residual, gamma, w, history, eps, recipe, ops, amax_reduce):
+    xq, x_op, sx, ax, s, norm_res = _norm(x, residual, gamma, history, eps, recipe, ops,
+                                          amax_reduce)
+    y, res = _product_fwd(xq, sx, w, history, recipe, amax_reduce, x.dtype)
+    return (y.reshape(*x.shape[:-1], -1), s), (x_op, sx, ax, res, history, norm_res)
+
+
+def _norm_matmul_bwd(eps, recipe, ops, amax_reduce, saved_, cts):
+    x_op, sx, ax, res, history, norm_res = saved_
+    dy, ds = cts
+    dn, dw, new = _product_bwd(dy, x_op, sx, ax, res, history, recipe, amax_reduce)
+    return (*_norm_bwd(dn, ds, norm_res, eps, ops), dw, new)
+
+
+_norm_matmul.defvjp(_norm_matmul_fwd, _norm_matmul_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _norm_swiglu_mlp(x, residual, gamma, w_up, w_down, h_up, h_down, eps, recipe, ops,
+                     amax_reduce):
+    return _norm_swiglu_mlp_fwd(x, residual, gamma, w_up, w_down, h_up, h_down, eps, recipe,
+                                ops, amax_reduce)[0]
+
+
+def _norm_swiglu_mlp_fwd(x, residual, gamma, w_up, w_down, h_up, h_down, eps, recipe, ops,
+                         amax_reduce):
+    xq, x_op, sx, ax, s, norm_res = _norm(x, residual, gamma, h_up, eps, recipe, ops,
+                                          amax_reduce)
+    y, res = _mlp_fwd(xq, sx, w_up, w_down, h_up, h_down, recipe, ops, amax_reduce, x.dtype)
+    return (y.reshape(*x.shape[:-1], -1), s), (x_op, sx, ax, res, h_up, h_down, norm_res)
+
+
+def _norm_swiglu_mlp_bwd(eps, recipe, ops, amax_reduce, saved_, cts):
+    x_op, sx, ax, res, h_up, h_down, norm_res = saved_
+    dy, ds = cts
+    dn, *rest = _mlp_bwd(dy, x_op, sx, ax, res, h_up, h_down, recipe, ops, amax_reduce)
+    return (*_norm_bwd(dn, ds, norm_res, eps, ops), *rest)
+
+
+_norm_swiglu_mlp.defvjp(_norm_swiglu_mlp_fwd, _norm_swiglu_mlp_bwd)
 
 
 def _shifted(history, *now):
@@ -372,6 +528,12 @@ class Layer:
     histories: Any = None
 
 
+def _saved(y):
+    """y named for the recomputation policy, as the hooks name a product's output."""
+    from blujax.model.family import saved  # (blujax.model imports this module)
+    return saved(y)
+
+
 class Hooks:
     """A device's hooks (family.OneDevice, sharding.Parallel) for one layer, with the block's
     named products in FP8 where the recipe puts them: everything else is the device's."""
@@ -412,22 +574,57 @@ class Hooks:
 
         return dot
 
-    def swiglu_mlp(self, ops, x, w_up, w_down):
-        """The gated MLP (family.swiglu_mlp): as one FP8 piece (`swiglu_mlp`) where both its
-        products are in FP8, the recipe `fuses` and the device runs each product whole;
-        else product by product through these hooks."""
-        # (blujax.model imports this module)
-        from blujax.model.family import saved, swiglu_mlp as by_products
+    @staticmethod
+    def _sublayers():
+        from blujax.model.family import Sublayers  # (blujax.model imports this module)
+        return Sublayers
 
-        recipe, histories = self._layer.recipe, self._layer.histories
-        whole = getattr(self._par, "slices", 1) == 1
-        in_fp8 = recipe.every or (pays(*w_up.shape) and pays(*w_down.shape))
-        if not (in_fp8 and whole and fuses(recipe)):
-            return by_products(self, ops, x, w_up, w_down)
-        y = swiglu_mlp(self._par.gather_sequence(x), w_up, w_down, histories["up"],
-                       histories["down"], recipe=recipe, ops=ops,
-                       amax_reduce=self._par.amax_reduce)
-        return saved(self._par.reduce_sequence(y))
+    def _in_fp8(self, *weights):
+        return self._layer.recipe.every or all(pays(*w.shape) for w in weights)
+
+    def _fuses(self, *weights):
+        """Whether a piece over these products' weights runs fused: all in FP8, the recipe
+        `fuses`, and the device runs each product whole (not slice by slice)."""
+        return (self._in_fp8(*weights) and fuses(self._layer.recipe)
+                and getattr(self._par, "slices", 1) == 1)
+
+    def _norm_fuses(self, *weights):
+        """The same for a piece that begins with the norm: also the sequence is whole here
+        (no gather between the norm and the product)."""
+        return self._fuses(*weights) and not self._par.splits_sequence
+
+    def swiglu_mlp(self, ops, x, w_up, w_down):
+        """The gated MLP (family.Sublayers.swiglu_mlp): as one FP8 piece (`swiglu_mlp`) where
+        it `_fuses`, else product by product through these hooks."""
+        if not self._fuses(w_up, w_down):
+            return self._sublayers().swiglu_mlp(self, ops, x, w_up, w_down)
+        h = self._layer.histories
+        y = swiglu_mlp(self._par.gather_sequence(x), w_up, w_down, h["up"], h["down"],
+                       recipe=self._layer.recipe, ops=ops, amax_reduce=self._par.amax_reduce)
+        return _saved(self._par.reduce_sequence(y))
+
+    def norm_matmul(self, ops, x, residual, gamma, w, name, *, eps):
+        """add_rms_norm, then the product `name` (family.Sublayers.norm_matmul): as one FP8
+        piece (`norm_matmul`) where it `_norm_fuses`, else the norm and then the product."""
+        if name not in PRODUCTS or not self._norm_fuses(w):
+            return self._sublayers().norm_matmul(self, ops, x, residual, gamma, w, name,
+                                                  eps=eps)
+        y, s = norm_matmul(x, residual, gamma, w, self._layer.histories[name], eps=eps,
+                           recipe=self._layer.recipe, ops=ops,
+                           amax_reduce=self._par.amax_reduce)
+        return _saved(y), s
+
+    def norm_swiglu_mlp(self, ops, x, residual, gamma, w_up, w_down, *, eps):
+        """add_rms_norm, then the gated MLP (family.Sublayers.norm_swiglu_mlp): as one FP8
+        piece (`norm_swiglu_mlp`) where it `_norm_fuses`, else the norm and then the MLP."""
+        if not self._norm_fuses(w_up, w_down):
+            return self._sublayers().norm_swiglu_mlp(self, ops, x, residual, gamma, w_up, w_down,
+                                             eps=eps)
+        h = self._layer.histories
+        y, s = norm_swiglu_mlp(x, residual, gamma, w_up, w_down, h["up"], h["down"], eps=eps,
+                               recipe=self._layer.recipe, ops=ops,
+                               amax_reduce=self._par.amax_reduce)
+        return _saved(y), s
 
     def gather_matmul(self, x, w, name=None):
         return self._par.gather_matmul(x, w, name, dot=self._dot(name, x))

@@ -140,9 +140,54 @@ def test_swiglu_mlp_is_its_two_products_bit_for_bit(ops_name):
         fp8.swiglu_mlp(x, w_down, w_up, h_up, h_down, recipe=recipe, ops=ops)
 
 
-def test_the_calibrated_step_runs_the_mlp_as_one_piece():
-    """Delayed scaling after its first step runs each block's MLP through swiglu's FP8 forms;
-    the first step, dynamic scaling and fp8_fuse=False run the two products."""
+@pytest.mark.parametrize("ops_name", ["ffi", "xla"])
+def test_norm_pieces_are_the_norm_and_products_bit_for_bit(ops_name):
+    """The pieces that begin with add_rms_norm (its FP8 form writing the copy the product
+    would cast) compute what the norm and then the products do: both outputs, every gradient
+    and the new histories, to the bit, with our kernels and with the plain-XLA ops."""
+    ops = model_ops.get(ops_name)
+    x, w_up, w_down, h_up, h_down, g = _mlp_operands()
+    k = jax.random.split(jax.random.key(4), 3)
+    residual = jax.random.normal(k[0], x.shape, jnp.bfloat16)
+    gamma = (1 + 0.1 * jax.random.normal(k[1], (32,))).astype(jnp.bfloat16)
+    ds = jax.random.normal(k[2], x.shape, jnp.bfloat16)
+    recipe = fp8.Recipe("delayed", every=True)
+    eps = 1e-5
+
+    def by_parts(*args):
+        x, residual, gamma, *rest = args
+        h, s = ops.add_rms_norm(x, residual, gamma, eps=eps)
+        if len(rest) == 2:
+            return fp8.matmul(h, *rest, recipe=recipe), s
+        return fp8.swiglu_mlp(h, *rest, recipe=recipe, ops=ops), s
+
+    def norm_matmul(x, residual, gamma, w, h):
+        return fp8.norm_matmul(x, residual, gamma, w, h, eps=eps, recipe=recipe, ops=ops)
+
+    def norm_mlp(x, residual, gamma, *rest):
+        return fp8.norm_swiglu_mlp(x, residual, gamma, *rest, eps=eps, recipe=recipe, ops=ops)
+
+    cases = ((norm_matmul, (x, residual, gamma, w_up, h_up), (g[..., :1].repeat(80, -1), ds)),
+             (norm_mlp, (x, residual, gamma, w_up, w_down, h_up, h_down), (g, ds)))
+    for piece, args, cts in cases:
+        want, want_vjp = jax.vjp(by_parts, *args)
+        got, got_vjp = jax.vjp(piece, *args)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.jit(got_vjp)(cts), jax.jit(want_vjp)(cts)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="calibrated"):
+        fp8.norm_matmul(x, residual, gamma, w_up, h_up, eps=eps, recipe=fp8.Recipe("dynamic"),
+                        ops=ops)
+    with pytest.raises(ValueError, match="do not multiply"):
+        fp8.norm_matmul(x, residual, gamma, w_down, h_up, eps=eps, recipe=recipe, ops=ops)
+
+
+def test_the_calibrated_step_runs_the_pieces():
+    """Delayed scaling after its first step runs each block's norms and MLP through their
+    kernels' FP8 forms; the first step, dynamic scaling and fp8_fuse=False run the products
+    one by one."""
     config = llama.PRESETS["llama-tiny"]
     x = jnp.zeros((1, 2, 16), jnp.int32)
 
@@ -153,10 +198,12 @@ def test_the_calibrated_step_runs_the_mlp_as_one_piece():
             state = state._replace(fp8=fp8.History(state.fp8.amaxes, True))
         return train.make_train_step(config, tcfg).lower(state, x, x).as_text()
 
-    fused = ("blujax_swiglu_fwd_fp8", "blujax_swiglu_bwd_fp8")
-    assert all(t in lowered(True) for t in fused)
+    fused = ("blujax_swiglu_fwd_fp8", "blujax_swiglu_bwd_fp8", "blujax_add_rms_norm_fwd_fp8")
+    text = lowered(True)
+    assert all(t in text for t in fused) and "blujax_add_rms_norm_fwd\"" not in text
     for text in (lowered(False), lowered(True, fp8_fuse=False)):
-        assert not any(t in text for t in fused) and "blujax_swiglu_fwd" in text
+        assert not any(t in text for t in fused)
+        assert "blujax_swiglu_fwd" in text and "blujax_add_rms_norm_fwd" in text
     assert "blujax_swiglu_fwd_fp8" not in lowered(False, fp8_scaling="dynamic")
 
 

@@ -346,3 +346,246 @@ def test_cuda_large_rows(rng, shape, dtype):
         assert_close(g, ref, dtype, factor=2)
     np.testing.assert_array_equal(np.asarray(grad(x, r, w)[2], np.float32),
                                   np.asarray(got[2], np.float32))
+
+
+# --- the FP8 form of add_rms_norm (blujax.fp8's pieces that begin with the norm) ----------------
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# Bit for bit on the CPU, whose FP8 form runs the plain forward's rows. The CUDA one sums the
+# squares in another order than the plain kernel, so its rstd (and through it y) may differ in
+# the last bit: its tests allow that.
+EXACT = jax.default_backend() != "gpu"
+# (x's shape, dtype, format, scale): odd shapes, one element, no rows at all; on a GPU, 1001 and
+# 7 columns take the any-shape loads, 264 and 136 whole 16-byte packs, 130 rows a part tile of
+# the 64-row ones. Scales that are not powers of two test a division, not a multiply.
+_BF, _F32 = jnp.bfloat16, jnp.float32
+FP8_CASES = [
+    ((3, 5, 7), _F32, E4M3, 2.0 ** -5), ((3, 5, 7), _BF, E5M2, 0.37), ((1, 1), _BF, E4M3, 0.37),
+    ((0, 8), _BF, E4M3, 2.0 ** -5), ((130, 72), _F32, E5M2, 2.0 ** -14),
+    ((70, 1001), _BF, E4M3, 2.0 ** -5), ((64, 264), _BF, E5M2, 0.37),
+    ((2, 48, 136), _F32, E4M3, 0.37),
+]
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _codes(a):
+    """FP8 values as integers that step by one from each code to its neighbours (and +-0 to
+    0), so that |difference| counts codes."""
+    b = _bits(a).astype(np.int32)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "eps"))
+def _fp8_and_plain(x, r, w, scale, fmt, eps=1e-6):
+    """The FP8 form's (q, qt, amax, s, rstd), and what it must equal: add_rms_norm's y cast
+    (as a product would cast it), its s, and the plain forward's rstd."""
+    got = ops.add_rms_norm_fwd_fp8(x, r, w, scale, fmt, eps=eps)
+    y, s = ops.add_rms_norm(x, r, w, eps=eps)
+    q, qt, amax = spec.fp8_copy(y.reshape(-1, x.shape[-1]), scale, fmt)
+    return got, (q, qt, amax, s, _plain_rstd(x, r, w, eps))
+
+
+def _plain_rstd(x, r, w, eps):
+    """The rstd the plain forward saves (add_rms_norm returns only y and s)."""
+    st = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+    return jax.ffi.ffi_call("blujax_add_rms_norm_fwd", (jax.typeof(x), jax.typeof(x), st))(
+        x, r, w, eps=np.float64(eps))[2]
+
+
+def _assert_fp8_form(got, want, exact=EXACT):
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    (q, qt, amax, s, rstd), (q0, qt0, amax0, s0, rstd0) = got, want
+    np.testing.assert_array_equal(_bits(s), _bits(s0))  # the same sum on every platform
+    np.testing.assert_array_equal(_bits(qt), _bits(q).T)
+    if exact:
+        for a, b in ((q, q0), (amax, amax0), (rstd, rstd0)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+        return
+    np.testing.assert_allclose(rstd, rstd0, rtol=1e-6, atol=0)
+    codes = np.abs(_codes(q) - _codes(q0))
+    moved = np.count_nonzero(codes) / max(codes.size, 1)
+    assert codes.max(initial=0) <= 1 and moved < 0.01, moved
+    np.testing.assert_allclose(amax, amax0, rtol=1e-2)
+
+
+@pytest.mark.parametrize("shape,dtype,fmt,scale", FP8_CASES,
+                         ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else str(v))
+def test_fp8_form_is_the_cast_of_the_kernels_output(rng, shape, dtype, fmt, scale):
+    """q, qt and amax are what casting add_rms_norm's y gives, s and rstd what it computes:
+    the FP8 pieces then compute what the plain norm followed by the products' cast does."""
+    x, r = randn(rng, shape, dtype), randn(rng, shape, dtype, 3.0)
+    w = _weight(rng, shape[-1], dtype)
+    _assert_fp8_form(*_fp8_and_plain(x, r, w, jnp.float32(scale), fmt))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_fp8_form_against_the_spec(rng, dtype):
+    """Against the jnp spec (y in float32 with XLA's reduction, rounded to x's dtype, then the
+    cast): the kernel's own rounding of y can move a value across an FP8 rounding boundary, by
+    one code at most."""
+    x, r = randn(rng, (33, 72), dtype), randn(rng, (33, 72), dtype, 3.0)
+    w = _weight(rng, 72, dtype)
+    sc = jnp.float32(2.0 ** -6)
+    q, qt, amax, s, rstd = ops.add_rms_norm_fwd_fp8(x, r, w, sc, eps=1e-6)
+    # The spec op by op: jitted, XLA's CPU compiler may keep the bfloat16 sum in float32 for
+    # the squares (excess precision), which is not the spec.
+    q0, qt0, amax0, s0, rstd0 = spec.add_rms_norm_fwd_fp8(x, r, w, sc, eps=1e-6)
+    for a, b in ((q, q0), (qt, qt0)):
+        codes = np.abs(_codes(a) - _codes(b))
+        assert codes.max() <= 1 and codes.mean() < 0.05
+    np.testing.assert_array_equal(_bits(s), _bits(s0))
+    assert_close(amax, amax0, dtype)
+    assert_close(rstd, rstd0, jnp.float32)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda d: jnp.dtype(d).name)
+def test_fp8_form_saturates_and_carries_nan_into_the_amax(fmt):
+    # eps = 0 and rows of +-1 and +-1/4: rstd is exactly 1 and 4, so y = (+-1) * weight
+    # exactly. 1e4 is beyond e4m3's 448 at scale 1 and e5m2's 57344 at scale 1/16.
+    x = jnp.array([[0.25, -0.25, 0.25, 0.25], [1.0, -1.0, 1.0, 1.0]], jnp.float32)
+    w = jnp.array([1e4, 1e4, 0.5, 2.0], jnp.float32)
+    sc, top = (1.0, 448.0) if fmt == E4M3 else (1 / 16, 57344.0)
+    f = jax.jit(lambda x: ops.add_rms_norm_fwd_fp8(x, jnp.zeros_like(x), w, jnp.float32(sc),
+                                                   fmt, eps=0.0))
+    want = [[top, -top, 0.5 / sc, 2.0 / sc]] * 2
+    q, qt, amax, s, rstd = f(x)
+    assert q.astype(jnp.float32).tolist() == want
+    rtol = 0 if EXACT else 1e-6  # (CUDA's rsqrtf is not promised exact)
+    np.testing.assert_allclose(rstd, [4.0, 1.0], rtol=rtol)
+    np.testing.assert_allclose(amax, 1e4, rtol=rtol)
+    # A NaN makes its row's rstd, and every y of the row, NaN; the amax stays NaN though
+    # larger values come after it.
+    q, qt, amax, s, rstd = f(x.at[0, 2].set(jnp.nan))
+    assert np.isnan(float(amax)) and np.isnan(float(rstd[0]))
+    assert np.isnan(np.asarray(q[0], np.float32)).all()
+    assert q[1].astype(jnp.float32).tolist() == want[1]
+
+
+def test_fp8_form_divides_by_the_scale():
+    # y / scale, not y * (1 / scale): near the midpoints between e4m3 codes, weights w for
+    # which the two round to different codes. eps = 0 and x of ones make y = w exactly (128
+    # columns: mean(x^2) is exactly 1 however the kernel forms it).
+    fmt, sc = E4M3, np.float32(0.37)
+    codes = np.arange(256, dtype=np.uint8).view(fmt).astype(np.float32)
+    v = np.unique(codes[(codes >= 1) & (codes <= 8)])
+    near = ((v[:-1] + v[1:]) / 2 * sc).astype(np.float32).view(np.int32)
+    w = (near[:, None] + np.arange(-2, 3, dtype=np.int32)).view(np.float32).ravel()
+    w = np.concatenate([w, np.ones(128 - w.size, np.float32)])
+    want = (w / sc).astype(fmt)
+    assert np.sum(want != (w * (np.float32(1) / sc)).astype(fmt)) >= 4  # the data tells
+    x = jnp.ones((1, w.size), jnp.float32)
+    q = ops.add_rms_norm_fwd_fp8(x, jnp.zeros_like(x), jnp.asarray(w), jnp.float32(sc), fmt,
+                                 eps=0.0)[0]
+    np.testing.assert_array_equal(_bits(q[0]), want.view(np.uint8))
+
+
+def test_add_rms_norm_bwd(rng):
+    shape, eps = (5, 3, 40), 1e-6
+    cases = {}
+    for dtype in DTYPES:
+        x, r = randn(rng, shape, dtype), randn(rng, shape, dtype, 3.0)
+        cases[dtype] = (x, r, _weight(rng, shape[-1], dtype), randn(rng, shape, dtype),
+                        randn(rng, shape, dtype))
+
+    @jax.jit
+    def grads(x, r, w, dy, ds):
+        _, _, _, s, rstd = ops.add_rms_norm_fwd_fp8(x, r, w, jnp.float32(1.0), eps=eps)
+        got = ops.add_rms_norm_bwd(dy, ds, s, w, rstd, eps=eps)
+        want = jax.vjp(functools.partial(spec.add_rms_norm, eps=eps), x, r, w)[1]((dy, ds))
+        # What add_rms_norm's own vjp computes, from the plain forward's rstd (the GPU FP8
+        # form's may differ from it in the last bit).
+        plain = ops.add_rms_norm_bwd(dy, ds, s, w, _plain_rstd(x, r, w, eps), eps=eps)
+        vjp = jax.vjp(functools.partial(ops.add_rms_norm, eps=eps), x, r, w)[1]((dy, ds))
+        return got, want, plain, vjp
+
+    for dtype, args in cases.items():
+        (dx, dw), (sdx, sdr, sdw), plain, (vdx, vdr, vdw) = grads(*args)
+        assert dx.dtype == dw.dtype == dtype and dx.shape == shape and dw.shape == shape[-1:]
+        if dtype == jnp.float32:
+            assert_close(dx, sdx, dtype, factor=2)
+            assert_close(dw, sdw, dtype, factor=2)
+        for a, b in zip(plain, (vdx, vdw)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+        np.testing.assert_array_equal(_bits(vdr), _bits(vdx))
+
+
+def test_fp8_form_lowers_for_cuda_without_a_gpu():
+    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8,), jnp.bfloat16)
+    f = jax.jit(lambda x: ops.add_rms_norm_fwd_fp8(x, x, w, jnp.float32(1.0)))
+    hlo = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "blujax_add_rms_norm_fwd_fp8" in hlo
+
+
+def test_fp8_form_rejects_bad_arguments(rng):
+    x = randn(rng, (4, 8), jnp.float32)
+    w = _weight(rng, 8, jnp.float32)
+    s = jnp.float32(1.0)
+    fwd = ops.add_rms_norm_fwd_fp8
+    with pytest.raises(TypeError, match="scale must be a float32 scalar"):
+        fwd(x, x, w, jnp.ones(2))
+    with pytest.raises(TypeError, match="scale must be a float32 scalar"):
+        fwd(x, x, w, jnp.bfloat16(1.0))
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        fwd(x, x, w, s, jnp.bfloat16)
+    with pytest.raises(ValueError, match="residual must match x"):
+        fwd(x, x[:3], w, s)
+    with pytest.raises(ValueError, match="residual must match x"):
+        fwd(x, x.astype(jnp.bfloat16), w, s)
+    with pytest.raises(TypeError, match="weight is bfloat16 but x is float32"):
+        fwd(x, x, w.astype(jnp.bfloat16), s)
+    with pytest.raises(TypeError, match="x has dtype float64"):
+        with jax.enable_x64(True):
+            fwd(np.ones((4, 8)), np.ones((4, 8)), np.ones(8), s)
+    rstd = jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match=r"rstd must be float32\[4\], got float32\[4, 1\]"):
+        ops.add_rms_norm_bwd(x, x, x, w, rstd[:, None])
+    with pytest.raises(ValueError, match=r"rstd must be float32\[4\], got bfloat16\[4\]"):
+        ops.add_rms_norm_bwd(x, x, x, w, rstd.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="dsum must match s"):
+        ops.add_rms_norm_bwd(x, x[:3], x, w, rstd)
+
+
+@pytest.mark.parametrize("case", ["qt_shape", "amax_count", "q_dtype", "qt_dtype",
+                                  "scale_dtype", "rstd_size", "sum_dtype", "x_float64"])
+def test_fp8_handler_rejects_inconsistent_buffers(rng, case):
+    x = randn(rng, (4, 8), jnp.float32)
+    w = _weight(rng, 8, jnp.float32)
+    s = jnp.float32(1.0)
+    sds = jax.ShapeDtypeStruct
+    q, qt, amax = sds((4, 8), E4M3), sds((8, 4), E4M3), sds((), jnp.float32)
+    y, st = sds((4, 8), jnp.float32), sds((4,), jnp.float32)
+    fwd, eps = "blujax_add_rms_norm_fwd_fp8", np.float64(1e-5)
+    calls = {  # case: (results, what the handler says)
+        "qt_shape": ((q, sds((4, 8), E4M3), amax, y, st), r"qt has shape \[4, 8\]"),
+        "amax_count": ((q, qt, sds((2,), jnp.float32), y, st), "amax has shape"),
+        "q_dtype": ((sds((4, 8), jnp.bfloat16), qt, amax, y, st), "q must be float8"),
+        "qt_dtype": ((q, sds((8, 4), E5M2), amax, y, st), "qt is float8_e5m2 but q is"),
+        "scale_dtype": ((q, qt, amax, y, st), "scale must be float32"),
+        "rstd_size": ((q, qt, amax, y, sds((3,), jnp.float32)), "rstd has shape"),
+        "sum_dtype": ((q, qt, amax, sds((4, 8), jnp.bfloat16), st), "sum is bfloat16"),
+        "x_float64": ((q, qt, amax, sds((4, 8), jnp.float64), st), "unsupported dtype float64"),
+    }
+    outs, message = calls[case]
+    if case == "scale_dtype":
+        s = s.astype(jnp.bfloat16)
+    with jax.enable_x64(case == "x_float64"):  # (the wrapper refuses float64 x at trace time)
+        if case == "x_float64":
+            x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        with pytest.raises(Exception, match=f"{fwd}: {message}"):
+            jax.block_until_ready(_raw(fwd, outs, x, x, w, s, eps=eps))
+
+
+@gpu
+@pytest.mark.parametrize("shape,dtype", [((4096, 2048), _BF), ((4099, 1001), _F32),
+                                         ((2, 1500, 768), _BF)], ids=str)
+def test_cuda_fp8_form_large(rng, shape, dtype):
+    # Many 64-row tiles: 4096 x 2048 whole tiles and packs, 4099 x 1001 a part tile and the
+    # any-shape loads.
+    x, r = randn(rng, shape, dtype), randn(rng, shape, dtype, 3.0)
+    w = _weight(rng, shape[-1], dtype)
+    _assert_fp8_form(*_fp8_and_plain(x, r, w, jnp.float32(2.0 ** -6), E4M3))

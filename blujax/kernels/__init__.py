@@ -15,7 +15,8 @@ from blujax.kernels.cross_entropy import (
 )
 from blujax.kernels.gelu import gelu
 from blujax.kernels.layernorm import add_layer_norm, layer_norm
-from blujax.kernels.rms_norm import add_rms_norm, rms_norm
+from blujax.kernels.rms_norm import (add_rms_norm, add_rms_norm_bwd, add_rms_norm_fwd_fp8,
+                                      rms_norm)
 from blujax.kernels.rope import rope, rope_qkv
 from blujax.kernels.swiglu import swiglu, swiglu_bwd_fp8, swiglu_fwd_fp8
 
@@ -24,6 +25,8 @@ __all__ = [
     "adamw_update_many",
     "add_layer_norm",
     "add_rms_norm",
+    "add_rms_norm_bwd",
+    "add_rms_norm_fwd_fp8",
     "attention",
     "attention_qkv",
     "attention_with_lse",

@@ -65,3 +65,20 @@ def check_feature_param(op: str, name: str, p, x) -> None:
         )
     if p.dtype != x.dtype:
         raise TypeError(f"{op}: {name} is {p.dtype} but x is {x.dtype}; use one dtype")
+
+
+_FP8_INPUTS = (jnp.float32, jnp.bfloat16)
+_FP8_FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def check_fp8(op: str, x, scale, dtype) -> None:
+    """What an op's FP8 form (swiglu's, add_rms_norm's) takes beside the op's own operands: x
+    float32 or bfloat16, dtype an FP8 format blujax.fp8 uses, scale a float32 scalar."""
+    if hasattr(x, "dtype"):  # (else the op's own check says what x must be)
+        check_dtype(op, "x", x, _FP8_INPUTS)
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _FP8_FORMATS]:
+        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got "
+                        f"{jnp.dtype(dtype).name}")
+    if jnp.shape(scale) != () or jnp.result_type(scale) != jnp.float32:
+        raise TypeError(f"{op}: scale must be a float32 scalar, got "
+                        f"{jnp.result_type(scale).name} {jnp.shape(scale)}")

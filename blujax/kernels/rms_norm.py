@@ -5,6 +5,12 @@ Kernels: xla_ext/cpu/rms_norm.cc (float32, float64, bfloat16) and xla_ext/cuda/r
 rstd; the backward computes dx and dweight in one pass over dy and x. The residual-add
 variant is the Llama block's `s = x + residual; rms_norm(s)`, one kernel each way. The jnp
 specification is `blujax.kernels.xla.rms_norm` / `add_rms_norm`.
+
+The add variant's FP8 form (`add_rms_norm_fwd_fp8`; float32 and bfloat16) is what blujax.fp8's
+pieces that begin with the norm run: in the pass that normalises, instead of y it writes y's
+FP8 copy at a given scale, the copy's transpose (for the weight-gradient product) and y's
+amax, beside the sum and rstd. Its backward is the plain one's, `add_rms_norm_bwd`, which the
+pieces' own vjps call. Specs: `blujax.kernels.xla.add_rms_norm_fwd_fp8`, `add_rms_norm_bwd`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 
 from blujax._ffi import current_platform, require_kernels
 from blujax.kernels._util import (check_dtype, check_feature_param, check_float64_platform,
-                                  match_vma, result_type)
+                                  check_fp8, match_vma, result_type)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
 # Upper bound on the per-block partial rows of dweight the CUDA backward may use; it launches
@@ -46,15 +52,63 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5):
     add_layer_norm's is. The backward takes the cotangents of both outputs and gives x and
     residual the same gradient (one array).
     """
-    _check("add_rms_norm", x, weight, eps)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"add_rms_norm: residual must match x ({x.dtype}{list(x.shape)}), "
-            f"got {residual.dtype}{list(residual.shape)}"
-        )
-    require_kernels("add_rms_norm")
+    _check_add("add_rms_norm", x, residual, weight, eps)
     x, residual, weight = match_vma(x, residual, weight)
     return _add_rms_norm(x, residual, weight, float(eps))
+
+
+def add_rms_norm_fwd_fp8(x, residual, weight, scale, dtype=jnp.float8_e4m3fn, *,
+                         eps: float = 1e-5):
+    """(q, qt, amax, s, rstd) of add_rms_norm's (y, s) without y: q = y / scale saturated and
+    rounded to dtype (float8_e4m3fn or float8_e5m2) as rows [N, C] (N the product of x's
+    leading axes), qt its transpose [C, N], amax = max |y| float32 [] (y as add_rms_norm writes
+    it, in x's dtype); s = x + residual like x; rstd float32 [...] (x's leading axes), what
+    add_rms_norm_bwd takes.
+
+    x, residual: [..., C] float32 or bfloat16; weight [C]; scale: a float32 scalar
+    (blujax.fp8.scale_of).
+    """
+    op = "add_rms_norm_fwd_fp8"
+    check_fp8(op, x, scale, dtype)
+    _check_add(op, x, residual, weight, eps)
+    rows, c = math.prod(x.shape[:-1]), x.shape[-1]
+    x, residual, weight, scale = match_vma(x, residual, weight, jnp.asarray(scale, jnp.float32))
+    return jax.ffi.ffi_call(
+        "blujax_add_rms_norm_fwd_fp8",
+        (result_type(x, (rows, c), dtype), result_type(x, (c, rows), dtype),
+         result_type(x, (), jnp.float32), result_type(x),
+         result_type(x, x.shape[:-1], jnp.float32)),
+    )(x, residual, weight, scale, eps=np.float64(eps))
+
+
+def add_rms_norm_bwd(dy, dsum, s, weight, rstd, *, eps: float = 1e-5):
+    """add_rms_norm's backward: (dx, dweight) for the cotangents dy of its y and dsum of its
+    s, from what its forward (or add_rms_norm_fwd_fp8) kept: s, weight and rstd. dx is the
+    gradient of both x and residual. eps is the forward's (rstd already holds it; the spec
+    recomputes from s)."""
+    _check("add_rms_norm_bwd", s, weight, eps)
+    for name, t in (("dy", dy), ("dsum", dsum)):
+        if getattr(t, "shape", None) != s.shape or t.dtype != s.dtype:
+            raise ValueError(f"add_rms_norm_bwd: {name} must match s ({s.dtype}"
+                             f"{list(s.shape)}), got {getattr(t, 'dtype', type(t).__name__)}"
+                             f"{list(getattr(t, 'shape', []))}")
+    if rstd.shape != s.shape[:-1] or rstd.dtype != _stat_dtype(s.dtype):
+        raise ValueError(f"add_rms_norm_bwd: rstd must be {jnp.dtype(_stat_dtype(s.dtype)).name}"
+                         f"{list(s.shape[:-1])}, got {rstd.dtype}{list(rstd.shape)}")
+    require_kernels("add_rms_norm")
+    dy, dsum, s, weight, rstd = match_vma(dy, dsum, s, weight, rstd)
+    return _add_bwd_call(dy, dsum, s, weight, rstd)
+
+
+def _check_add(op, x, residual, weight, eps):
+    _check(op, x, weight, eps)
+    if getattr(residual, "shape", None) != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: residual must match x ({x.dtype}{list(x.shape)}), "
+            f"got {getattr(residual, 'dtype', type(residual).__name__)}"
+            f"{list(getattr(residual, 'shape', []))}"
+        )
+    require_kernels("add_rms_norm")
 
 
 def _check(op, x, weight, eps):
@@ -131,14 +185,17 @@ def _add_rms_norm_fwd(x, residual, weight, eps):
     return (y, s), (s, weight, rstd)
 
 
-def _add_rms_norm_bwd(eps, res, cts):
-    s, weight, rstd = res
-    dy, ds = cts
+def _add_bwd_call(dy, ds, s, weight, rstd):
     dx, dw, _ = jax.ffi.ffi_call(
         "blujax_add_rms_norm_bwd",
         (result_type(s), result_type(weight), _workspace(s)),
         vmap_method="sequential",
     )(dy, ds, s, weight, rstd)
+    return dx, dw
+
+
+def _add_rms_norm_bwd(eps, res, cts):
+    dx, dw = _add_bwd_call(*cts, *res)
     # The sum's gradient flows to both of its terms.
     return dx, dx, dw
 

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from blujax._ffi import require_kernels
-from blujax.kernels._util import check_dtype, check_float64_platform, match_vma, result_type
+from blujax.kernels._util import (check_dtype, check_float64_platform, check_fp8, match_vma,
+                                  result_type)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float64)
-_FP8_INPUTS = (jnp.float32, jnp.bfloat16)
-_FP8_FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def swiglu(x):
@@ -49,7 +48,7 @@ def swiglu_fwd_fp8(x, scale, dtype=jnp.float8_e4m3fn):
 
     x: [..., 2, F] float32 or bfloat16; scale: a float32 scalar (blujax.fp8.scale_of).
     """
-    _check_fp8("swiglu_fwd_fp8", x, scale, dtype)
+    check_fp8("swiglu_fwd_fp8", x, scale, dtype)
     _check(x)
     require_kernels("swiglu")
     rows, f = math.prod(x.shape[:-2]), x.shape[-1]
@@ -64,7 +63,7 @@ def swiglu_fwd_fp8(x, scale, dtype=jnp.float8_e4m3fn):
 def swiglu_bwd_fp8(dy, x, scale, dtype=jnp.float8_e5m2):
     """(q, qt, amax) of dx, swiglu's gradient at x for dy [..., F], without dx: as
     swiglu_fwd_fp8's, of dx as rows [N, 2F] ((d gate, d up) a row, x's layout)."""
-    _check_fp8("swiglu_bwd_fp8", x, scale, dtype)
+    check_fp8("swiglu_bwd_fp8", x, scale, dtype)
     _check(x)
     if getattr(dy, "shape", None) != x.shape[:-2] + x.shape[-1:] or dy.dtype != x.dtype:
         raise ValueError(f"swiglu_bwd_fp8: dy must be {x.dtype} {x.shape[:-2] + x.shape[-1:]} "
@@ -78,17 +77,6 @@ def swiglu_bwd_fp8(dy, x, scale, dtype=jnp.float8_e5m2):
         (result_type(x, (rows, 2 * f), dtype), result_type(x, (2 * f, rows), dtype),
          result_type(x, (), jnp.float32)),
     )(dy, x, scale)
-
-
-def _check_fp8(op, x, scale, dtype):
-    if hasattr(x, "dtype"):  # (else _check says what x must be)
-        check_dtype(op, "x", x, _FP8_INPUTS)
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _FP8_FORMATS]:
-        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got "
-                        f"{jnp.dtype(dtype).name}")
-    if jnp.shape(scale) != () or jnp.result_type(scale) != jnp.float32:
-        raise TypeError(f"{op}: scale must be a float32 scalar, got "
-                        f"{jnp.result_type(scale).name} {jnp.shape(scale)}")
 
 
 def _check(x):

@@ -56,6 +56,26 @@ def add_rms_norm(x, residual, weight, *, eps: float = 1e-5):
     return rms_norm(s, weight, eps=eps), s
 
 
+def add_rms_norm_fwd_fp8(x, residual, weight, scale, dtype=jnp.float8_e4m3fn, *,
+                         eps: float = 1e-5):
+    """add_rms_norm's FP8 form, for an FP8 product that takes its y: (q, qt, amax, s, rstd)
+    with (y, s) = add_rms_norm(x, residual, weight), (q, qt, amax) = fp8_copy of y as rows
+    [N, C], and rstd = 1 / sqrt(mean(s^2) + eps) float32 [...] (x's leading axes)."""
+    y, s = add_rms_norm(x, residual, weight, eps=eps)
+    sc = s.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(sc), axis=-1) + jnp.float32(eps))
+    return (*fp8_copy(y.reshape(-1, x.shape[-1]), scale, dtype), s, rstd)
+
+
+def add_rms_norm_bwd(dy, dsum, s, weight, rstd, *, eps: float = 1e-5):
+    """add_rms_norm's backward from what its forward kept: (dx, dweight) for the cotangents
+    dy of y and dsum of s (dx: the gradient of x and of residual). Recomputed from s, so rstd
+    is not read."""
+    del rstd
+    dx, dw = jax.vjp(lambda s, w: rms_norm(s, w, eps=eps), s, weight)[1](dy)
+    return dx + dsum, dw
+
+
 def adamw_update(param, grad, m, v, hparams, *, b1: float = 0.9, b2: float = 0.95,
                  eps: float = 1e-8, grad_scale=None, apply: bool = False):
     """One AdamW step, in optax.adamw's order: returns (update, new_m, new_v).

@@ -154,7 +154,31 @@ def saved(x, name: str = MATMUL):
     return checkpoint_name(x, name)
 
 
-class OneDevice:
+class Sublayers:
+    """The pieces of a block that a device's hooks compose from their own products (the base of
+    OneDevice and sharding.Parallel; blujax.fp8's hooks run them as FP8 pieces where they can,
+    and call these, on themselves, where they cannot):
+
+    swiglu_mlp: the gated MLP swiglu(x @ w_up) @ w_down, w_up [C, 2F] (gate and up, this
+    device's F), w_down [F, C], as the two products gather_matmul ("up") and matmul_reduce
+    ("down") run. norm_matmul: ops.add_rms_norm(x, residual, gamma), then the product `name`
+    of its output (gather_matmul), with the sum: (product, sum). norm_swiglu_mlp: the same
+    norm, then the gated MLP: (mlp, sum)."""
+
+    def swiglu_mlp(self, ops, x, w_up, w_down):
+        g = self.gather_matmul(x, w_up, "up")
+        return self.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:-1], 2, -1)), w_down, "down")
+
+    def norm_matmul(self, ops, x, residual, gamma, w, name, *, eps):
+        h, s = ops.add_rms_norm(x, residual, gamma, eps=eps)
+        return self.gather_matmul(h, w, name), s
+
+    def norm_swiglu_mlp(self, ops, x, residual, gamma, w_up, w_down, *, eps):
+        h, s = ops.add_rms_norm(x, residual, gamma, eps=eps)
+        return self.swiglu_mlp(ops, h, w_up, w_down), s
+
+
+class OneDevice(Sublayers):
     """The hooks a model calls where a parallel run communicates; on one device, nothing.
     `blujax.sharding.Parallel` is the same interface inside shard_map.
 
@@ -167,14 +191,16 @@ class OneDevice:
     a sequence-parallel run splits the residual stream further: rotary tables). gather_matmul: a
     normalized activation times a column-parallel weight; matmul_reduce: a row-parallel
     product, its partial sums reduced; gather_sequence and reduce_sequence: the communication
-    alone of each (x whole along the sequence; partial sums reduced and split along it);
-    swiglu_mlp: the gated MLP, the two products around ops.swiglu. attention(ops): the causal
+    alone of each (x whole along the sequence; partial sums reduced and split along it), and
+    splits_sequence: whether they communicate (the residual stream split along the sequence);
+    the Sublayers built on these. attention(ops): the causal
     attention of a block, an `Attend` (on a mesh, of this device's query heads, and its
     key/value heads or all of them where the layout keeps "kv_heads" whole). loss: this
     device's share (sum / n_tokens) of the mean cross-entropy of logits [N, V] against [N].
     """
 
     gathers = False
+    splits_sequence = False
 
     @staticmethod
     def share(params):
@@ -212,9 +238,6 @@ class OneDevice:
     def reduce_sequence(y):
         return y
 
-    def swiglu_mlp(self, ops, x, w_up, w_down):
-        return swiglu_mlp(self, ops, x, w_up, w_down)
-
     @staticmethod
     def amax_reduce(a):
         return a
@@ -231,14 +254,6 @@ class OneDevice:
 
 
 ONE_DEVICE = OneDevice()
-
-
-def swiglu_mlp(par, ops, x, w_up, w_down):
-    """The gated MLP on a device's hooks: swiglu(x @ w_up) @ w_down, w_up [C, 2F] (gate and
-    up, this device's F), w_down [F, C], as the two products gather_matmul ("up") and
-    matmul_reduce ("down") run. (blujax.fp8's hooks may run it as one FP8 piece instead.)"""
-    g = par.gather_matmul(x, w_up, "up")
-    return par.matmul_reduce(ops.swiglu(g.reshape(*g.shape[:-1], 2, -1)), w_down, "down")
 
 
 def causal_attention(ops, qkv):

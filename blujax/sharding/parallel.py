@@ -47,8 +47,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from blujax.model.family import (ATTENTION, GATHERED, Attend, causal_attention,
-                                 heads_attention, saved, swiglu_mlp)
+from blujax.model.family import (ATTENTION, GATHERED, Attend, Sublayers, causal_attention,
+                                 heads_attention, saved)
 from blujax.sharding.mesh import AXES, CONTEXT, FSDP, TENSOR
 from blujax.sharding.ring import ring_attention, zigzag_positions
 
@@ -64,7 +64,7 @@ def vary(x, axes=AXES):
 
 
 @dataclasses.dataclass(frozen=True)
-class Parallel:
+class Parallel(Sublayers):
     """The parallel hooks for a mesh whose "tensor" and "context" axes have these sizes.
     `whole`: the logical axes the layout keeps whole though RULES splits them
     (blujax.sharding.layout.Layout.of's). `fsdp_dims`: (key path, dimension) of each
@@ -82,6 +82,12 @@ class Parallel:
     @property
     def gathers(self) -> bool:
         return bool(self.fsdp_dims)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether the residual stream is split along the sequence over "tensor" (the products
+        gather it and reduce-scatter their outputs)."""
+        return self.tensor > 1
 
     @property
     def slices(self) -> int:
@@ -147,9 +153,6 @@ class Parallel:
     @staticmethod
     def reduce_sequence(y):
         return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
-
-    def swiglu_mlp(self, ops, x, w_up, w_down):
-        return swiglu_mlp(self, ops, x, w_up, w_down)
 
     @staticmethod
     def amax_reduce(a):

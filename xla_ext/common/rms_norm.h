@@ -4,6 +4,7 @@
 // blujax_add_rms_norm_fwd  (x, residual, weight)            -> (y, sum, rstd)
 // blujax_rms_norm_bwd      (dy, x, weight, rstd)            -> (dx, dweight, workspace)
 // blujax_add_rms_norm_bwd  (dy, dsum, sum, weight, rstd)    -> (dx, dweight, workspace)
+// blujax_add_rms_norm_fwd_fp8 (x, residual, weight, scale)  -> (q, qt, amax, sum, rstd)
 //
 // x is [..., C] and normalised over its last axis: y = x * rstd * weight with
 // rstd = 1 / sqrt(mean(x^2) + eps), no mean subtracted and no bias (Llama). weight holds C
@@ -15,12 +16,18 @@
 // dx, which is then the gradient of both x and residual. workspace is float32 [P, C]: the CUDA
 // backward writes a partial dweight row per block there before a small reduction over blocks
 // (scratch as an output keeps the handler CUDA-graph safe); the CPU backward does not need it.
+//
+// The FP8 form of the add variant (float32 and bfloat16 x) writes, instead of y, its FP8 copy
+// at `scale` as rows q [N, C] (N the rows of x), the copy's transpose qt [C, N] and y's amax
+// (common/fp8.h: y as the plain op writes it in x's dtype), beside sum and rstd as the plain op
+// writes them; its backward is the plain one's.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "common/ffi_util.h"
+#include "common/fp8.h"
 
 namespace blujax {
 
@@ -87,6 +94,24 @@ inline ffi::Error CheckRmsNormFwd(const char* op, bool allow_f64, const ffi::Any
     BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", *sum, "x", x));
   }
   return CheckRmsNormRstd(op, rstd, x, rc->rows);
+}
+
+// The same for blujax_add_rms_norm_fwd_fp8 (float32 and bfloat16 x on both platforms). Fills
+// rc and format (q's).
+inline ffi::Error CheckAddRmsNormFwdFp8(const char* op, const ffi::AnyBuffer& x,
+                                        const ffi::AnyBuffer& residual,
+                                        const ffi::AnyBuffer& weight, const ffi::AnyBuffer& scale,
+                                        const ffi::AnyBuffer& q, const ffi::AnyBuffer& qt,
+                                        const ffi::AnyBuffer& amax, const ffi::AnyBuffer& sum,
+                                        const ffi::AnyBuffer& rstd, double eps, RowsCols* rc,
+                                        Fp8Format* format) {
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormInput(op, x, /*allow_f64=*/false, rc));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormEps(op, eps));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormWeight(op, "weight", weight, x, rc->cols));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "residual", residual, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckLike(op, "sum", sum, "x", x));
+  BLUJAX_RETURN_IF_ERROR(CheckRmsNormRstd(op, rstd, x, rc->rows));
+  return CheckFp8Copy(op, scale, q, qt, amax, rc->rows, rc->cols, format);
 }
 
 // The same for a backward target: blujax_rms_norm_bwd (dsum null) or blujax_add_rms_norm_bwd,

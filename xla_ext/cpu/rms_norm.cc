@@ -4,24 +4,30 @@
 // y = x * rstd * weight, with rstd = 1 / sqrt(mean(x^2) + eps) over the last axis.
 // Backward, per row, with xhat = x * rstd and g = dy * weight:
 //   dx = rstd * (g - xhat * mean(g * xhat))      dweight += dy * xhat
-// The add variant normalises sum = x + residual; its dx adds dsum.
+// The add variant normalises sum = x + residual; its dx adds dsum. Its FP8 form (float32 and
+// bfloat16) runs the same rows but writes y's FP8 copy, transpose and amax instead of y.
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/bf16.h"
 #include "common/cpu_util.h"
 #include "common/ffi_util.h"
+#include "common/cpu_fp8.h"
 #include "common/registry.h"
 #include "common/rms_norm.h"
 
 namespace blujax {
 namespace {
 
-// Normalises `rows` rows; `residual`/`sum` are null for the plain op.
-template <typename T>
-void RmsNormFwdRows(const T* x, const T* residual, const T* weight, T* y, T* sum,
-                    typename Compute<T>::type* rstd, int64_t rows, int64_t cols, double eps) {
+// Normalises `rows` rows, handing y[r, c] in compute precision to emit(r, c, y) (one code
+// path for the plain op and the FP8 form, so their sum, rstd and y agree bit for bit);
+// `residual`/`sum` are null for the plain op.
+template <typename T, typename Emit>
+void RmsNormFwdRows(const T* x, const T* residual, const T* weight, T* sum,
+                    typename Compute<T>::type* rstd, int64_t rows, int64_t cols, double eps,
+                    Emit&& emit) {
   using S = typename Compute<T>::type;
   const S e = static_cast<S>(eps);  // exact for float64, rounded to float otherwise
   std::vector<S> v(cols);  // this row in compute precision; per call, so calls may run concurrently
@@ -39,7 +45,7 @@ void RmsNormFwdRows(const T* x, const T* residual, const T* weight, T* y, T* sum
       squares += a * a;
     }
     const S rs = S(1) / std::sqrt(squares / static_cast<S>(cols) + e);
-    for (int64_t c = 0; c < cols; ++c) Store(y, off + c, v[c] * rs * Load(weight, c));
+    for (int64_t c = 0; c < cols; ++c) emit(r, c, v[c] * rs * Load(weight, c));
     rstd[r] = rs;
   }
 }
@@ -83,9 +89,25 @@ ffi::Error RmsNormFwdImpl(const char* op, ffi::AnyBuffer x, const ffi::AnyBuffer
   return DispatchFloat(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     using S = typename Compute<T>::type;
-    RmsNormFwdRows<T>(In<T>(x), residual ? In<T>(*residual) : nullptr, In<T>(weight), Out<T>(y),
-                      sum ? Out<T>(*sum) : nullptr, Out<S>(rstd), rc.rows, rc.cols, eps);
+    T* out = Out<T>(y);
+    RmsNormFwdRows<T>(In<T>(x), residual ? In<T>(*residual) : nullptr, In<T>(weight),
+                      sum ? Out<T>(*sum) : nullptr, Out<S>(rstd), rc.rows, rc.cols, eps,
+                      [&](int64_t r, int64_t c, S v) { Store(out, r * rc.cols + c, v); });
   });
+}
+
+// y's FP8 copy into q [rows, cols] and qt [cols, rows], and its amax, as swiglu.cc's FP8
+// forms write theirs: y rounded to T first, so the copy is the cast of the plain op's y.
+template <typename T>
+float AddRmsNormFwdFp8Rows(const T* x, const T* residual, const T* weight, T* sum, float* rstd,
+                           int64_t rows, int64_t cols, double eps, float scale, Fp8Format f,
+                           uint8_t* q, uint8_t* qt) {
+  float amax = 0.f;  // also the amax of no rows at all
+  RmsNormFwdRows<T>(x, residual, weight, sum, rstd, rows, cols, eps,
+                    [&](int64_t r, int64_t c, float v) {
+                      StoreFp8<T>(v, scale, f, q, qt, r, c, rows, cols, &amax);
+                    });
+  return amax;
 }
 
 // dsum is null for the plain op.
@@ -114,6 +136,26 @@ ffi::Error AddRmsNormFwd(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuff
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> sum,
                          ffi::Result<ffi::AnyBuffer> rstd, double eps) {
   return RmsNormFwdImpl("blujax_add_rms_norm_fwd", x, &residual, weight, y, &sum, rstd, eps);
+}
+
+ffi::Error AddRmsNormFwdFp8(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                            ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> q,
+                            ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::AnyBuffer> amax,
+                            ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> rstd,
+                            double eps) {
+  constexpr const char* op = "blujax_add_rms_norm_fwd_fp8";
+  RowsCols rc;
+  Fp8Format f;
+  BLUJAX_RETURN_IF_ERROR(CheckAddRmsNormFwdFp8(op, x, residual, weight, scale, *q, *qt, *amax,
+                                               *sum, *rstd, eps, &rc, &f));
+  const float s = *In<float>(scale);
+  return DispatchFloat(x.element_type(), [&](auto tag) {  // float64: refused by the check
+    using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, double>)
+      *Out<float>(amax) = AddRmsNormFwdFp8Rows<T>(
+          In<T>(x), In<T>(residual), In<T>(weight), Out<T>(sum), Out<float>(rstd), rc.rows,
+          rc.cols, eps, s, f, Out<uint8_t>(q), Out<uint8_t>(qt));
+  });
 }
 
 ffi::Error RmsNormBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer weight,
@@ -151,6 +193,19 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwd, AddRmsNormFwd,
                            .Ret<ffi::AnyBuffer>()   // rstd [...]
                            .Attr<double>("eps"));   // f64: exact for f64 x, a float otherwise
 
+XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwdFp8, AddRmsNormFwdFp8,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // residual [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // scale: float32 []
+                           .Ret<ffi::AnyBuffer>()   // q [N, C]: y's FP8 copy
+                           .Ret<ffi::AnyBuffer>()   // qt [C, N]
+                           .Ret<ffi::AnyBuffer>()   // amax: float32 []
+                           .Ret<ffi::AnyBuffer>()   // sum = x + residual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // rstd [...] float32
+                           .Attr<double>("eps"));   // f64, rounded to a float
+
 XLA_FFI_DEFINE_HANDLER(kRmsNormBwd, RmsNormBwd,
                        ffi::Ffi::Bind()
                            .Arg<ffi::AnyBuffer>()   // dy [..., C]
@@ -174,6 +229,7 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwd, AddRmsNormBwd,
 
 BLUJAX_REGISTER(blujax_rms_norm_fwd, kRmsNormFwd);
 BLUJAX_REGISTER(blujax_add_rms_norm_fwd, kAddRmsNormFwd);
+BLUJAX_REGISTER(blujax_add_rms_norm_fwd_fp8, kAddRmsNormFwdFp8);
 BLUJAX_REGISTER(blujax_rms_norm_bwd, kRmsNormBwd);
 BLUJAX_REGISTER(blujax_add_rms_norm_bwd, kAddRmsNormBwd);
 

@@ -11,7 +11,7 @@
 #include "common/bf16.h"
 #include "common/cpu_util.h"
 #include "common/ffi_util.h"
-#include "common/fp8.h"
+#include "common/cpu_fp8.h"
 #include "common/registry.h"
 #include "common/swiglu.h"
 
@@ -51,21 +51,6 @@ void SwigluBwdRows(const T* dy, const T* x, T* dx, int64_t rows, int64_t f) {
       Store(dup, c, dv * g * s);
     }
   }
-}
-
-// v as the kernel would write it in T, then its FP8 copy at (r, c) of q [rows, cols] and
-// qt [cols, rows]; the running amax.
-template <typename T>
-inline void StoreFp8(float v, float scale, Fp8Format f, uint8_t* q, uint8_t* qt, int64_t r,
-                     int64_t c, int64_t rows, int64_t cols, float* amax) {
-  T rounded;
-  Store(&rounded, 0, v);
-  const float w = Load(&rounded, 0);
-  const uint8_t b = FloatToFp8(w / scale, f);
-  q[r * cols + c] = b;
-  qt[c * rows + r] = b;
-  const float a = std::fabs(w);
-  if (std::isnan(a) || a > *amax) *amax = std::isnan(*amax) ? *amax : a;
 }
 
 template <typename T>

@@ -17,6 +17,9 @@
 // register path and the sums of the partial rows are LayerNorm's, templated on the mean term:
 // common/row_norm.cuh, as are the launch shapes); this file has the launchers and the handlers.
 //
+// The add variant's FP8 form (its kernel and its design: rms_norm_fp8.cuh) writes the sum and
+// rstd as the plain forward does, and instead of y, y's FP8 copy, transposed too, and its amax.
+//
 // Not carried over from LayerNorm (yet): its pipelined forward (cp.async staging of the next
 // rows) and its bfloat16 pack-a-thread backward, both measured faster there at some widths;
 // they are worth an A/B here on a GPU.
@@ -27,6 +30,7 @@
 #include "common/rms_norm.h"
 #include "common/row_norm.cuh"
 #include "cuda/rms_norm_bwd.cuh"
+#include "cuda/rms_norm_fp8.cuh"
 #include "cuda/rms_norm_fwd.cuh"
 
 namespace blujax {
@@ -114,6 +118,73 @@ ffi::Error RmsNormBwdImpl(const char* op, cudaStream_t stream, int device, ffi::
   return LastCudaError(op);
 }
 
+// add_rms_norm's FP8 form: the register path where the rows are packed, a group fits a row
+// and the block's tile fits in shared memory, else the any-shape kernel.
+template <typename T>
+ffi::Error LaunchFwdFp8(const char* op, cudaStream_t stream, int device, const T* x,
+                        const T* residual, const T* weight, const float* scale, Fp8Format f,
+                        uint8_t* q, uint8_t* qt, unsigned* amax, T* sum, float* rstd,
+                        RowsCols rc, float eps) {
+  constexpr int kPack = Pack<T>::kSize, kVecs = kFwdFloats / kPack;
+  const int cols = static_cast<int>(rc.cols);
+  const bool packed = cols % kPack == 0 && Aligned16(x) && Aligned16(residual) &&
+                      Aligned16(sum) && Aligned16(weight) &&
+                      reinterpret_cast<uintptr_t>(q) % 8 == 0;
+  const bool packed_t = rc.rows % 16 == 0 && Aligned16(qt);
+  const int group = packed ? GroupFor(cols / kPack, kVecs) : 0;
+  const size_t smem = size_t(kFp8NormRows) * (cols + kFp8NormPad);
+  bool launched = false;
+  ffi::Error err = ffi::Error::Success();
+  if (group) {
+    WithGroup(group, [&](auto g) {
+      constexpr int kGroup = decltype(g)::value, kThreads = BlockFor<kGroup>();
+      constexpr auto kKernel = AddRmsNormFwdFp8Kernel<T, kGroup, kVecs>;
+      if (smem > kMaxSharedBytes && smem > SharedMemoryLimit<kKernel>(device)) return;
+      const int64_t blocks = std::min((rc.rows + kFp8NormRows - 1) / kFp8NormRows,
+                                      ResidentBlocks(device, kKernel, kThreads, smem));
+      err = LaunchKernel<kKernel>(op, blocks, kThreads, smem, stream, device, x, residual,
+                                  weight, scale, f, q, qt, amax, sum, rstd, rc.rows, cols, eps,
+                                  packed_t);
+      launched = true;
+    });
+  }
+  if (launched) return err;
+  const Fp8Layout lay{packed, cols % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0,
+                      packed_t};
+  constexpr auto kAny = AddRmsNormFwdFp8AnyKernel<T>;
+  const int64_t blocks = std::min((rc.rows + kFp8Tile - 1) / kFp8Tile,
+                                  ResidentBlocks(device, kAny, kFp8Threads, 0));
+  return LaunchKernel<kAny>(op, blocks, kFp8Threads, 0, stream, device, x, residual, weight,
+                            scale, f, q, qt, amax, sum, rstd, rc.rows, cols, eps, lay);
+}
+
+ffi::Error AddRmsNormFwdFp8(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::AnyBuffer scale,
+                            ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                            ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> sum,
+                            ffi::Result<ffi::AnyBuffer> rstd, double eps) {
+  constexpr const char* op = "blujax_add_rms_norm_fwd_fp8";
+  RowsCols rc;
+  Fp8Format f;
+  BLUJAX_RETURN_IF_ERROR(CheckAddRmsNormFwdFp8(op, x, residual, weight, scale, *q, *qt, *amax,
+                                               *sum, *rstd, eps, &rc, &f));
+  auto* bits = static_cast<unsigned*>(amax->untyped_data());
+  cudaMemsetAsync(bits, 0, sizeof(unsigned), stream);  // +0.0: the amax of nothing
+  if (rc.rows == 0) return LastCudaError(op);
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    return LaunchFwdFp8<T>(op, stream, device, static_cast<const T*>(x.untyped_data()),
+                           static_cast<const T*>(residual.untyped_data()),
+                           static_cast<const T*>(weight.untyped_data()),
+                           static_cast<const float*>(scale.untyped_data()), f,
+                           static_cast<uint8_t*>(q->untyped_data()),
+                           static_cast<uint8_t*>(qt->untyped_data()), bits,
+                           static_cast<T*>(sum->untyped_data()),
+                           static_cast<float*>(rstd->untyped_data()), rc, static_cast<float>(eps));
+  };
+  return x.element_type() == ffi::DataType::F32 ? launch(float{}) : launch(__nv_bfloat16{});
+}
+
 ffi::Error RmsNormFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                       ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> y,
                       ffi::Result<ffi::AnyBuffer> rstd, double eps) {
@@ -172,6 +243,22 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwd, AddRmsNormFwd,
                            .Attr<double>("eps"),    // f64, rounded to float here
                        kGraphSafe);
 
+XLA_FFI_DEFINE_HANDLER(kAddRmsNormFwdFp8, AddRmsNormFwdFp8,
+                       ffi::Ffi::Bind()
+                           .Ctx<Stream>()
+                           .Ctx<Device>()
+                           .Arg<ffi::AnyBuffer>()   // x [..., C]
+                           .Arg<ffi::AnyBuffer>()   // residual [..., C]
+                           .Arg<ffi::AnyBuffer>()   // weight [C]
+                           .Arg<ffi::AnyBuffer>()   // scale: float32 []
+                           .Ret<ffi::AnyBuffer>()   // q [rows, C]: FP8
+                           .Ret<ffi::AnyBuffer>()   // qt [C, rows]
+                           .Ret<ffi::AnyBuffer>()   // amax: float32 []
+                           .Ret<ffi::AnyBuffer>()   // sum = x + residual [..., C]
+                           .Ret<ffi::AnyBuffer>()   // rstd [...] f32
+                           .Attr<double>("eps"),    // f64, rounded to float here
+                       kGraphSafe);
+
 XLA_FFI_DEFINE_HANDLER(kRmsNormBwd, RmsNormBwd,
                        ffi::Ffi::Bind()
                            .Ctx<Stream>()
@@ -201,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER(kAddRmsNormBwd, AddRmsNormBwd,
 
 BLUJAX_REGISTER(blujax_rms_norm_fwd, kRmsNormFwd);
 BLUJAX_REGISTER(blujax_add_rms_norm_fwd, kAddRmsNormFwd);
+BLUJAX_REGISTER(blujax_add_rms_norm_fwd_fp8, kAddRmsNormFwdFp8);
 BLUJAX_REGISTER(blujax_rms_norm_bwd, kRmsNormBwd);
 BLUJAX_REGISTER(blujax_add_rms_norm_bwd, kAddRmsNormBwd);
 

@@ -12,13 +12,8 @@
 // reciprocal of inf), 1 for g -> +inf.
 //
 // The FP8 forms (common/fp8.h) write no y or dx, only its FP8 copy (one byte an element), the
-// copy's transpose and its amax. A block takes a tile of 64 rows by 64 of the F columns (in
-// the backward, those columns of d gate and of d up): it writes the tile's bytes as they lie
-// and, through shared memory, transposed, 16 bytes of a column at a time; its amax goes into
-// the tensor's with one atomic max on the float's bits (for a float >= 0, or NaN with its
-// sign cleared, the order of the bits is the order of the values, NaN above all).
-
-#include <cuda_fp8.h>
+// copy's transpose and its amax, through the tiles of common/fp8.cuh: a block takes 64 rows by
+// 64 of the F columns (in the backward, those columns of d gate and of d up).
 
 #include <algorithm>
 #include <initializer_list>
@@ -27,7 +22,7 @@
 #include "common/cuda_launch.cuh"
 #include "common/cuda_util.cuh"
 #include "common/cuda_vec.cuh"
-#include "common/fp8.h"
+#include "common/fp8.cuh"
 #include "common/registry.h"
 #include "common/swiglu.h"
 
@@ -91,144 +86,22 @@ SwigluBwdKernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict
 // ----------------------------------------------------------------------------------------------
 // The FP8 forms.
 
-constexpr int kTile = 64;  // rows and columns of a tile
-constexpr int kPer = 8;    // consecutive columns a thread takes at once (16 bytes of bfloat16)
-constexpr int kGroups = kTile / kPer;  // column groups of a tile row
-
-// Division by the scale: by a multiply where the scale is a power of two with a normal
-// reciprocal (blujax.fp8's always are), which gives the quotient exactly; else the IEEE
-// division (under fast math a plain / would be approximate).
-struct Divisor {
-  float scale, inverse;
-  bool power_of_two;
-};
-
-__device__ __forceinline__ Divisor DivisorOf(float s) {
-  const unsigned b = __float_as_uint(s), e = (b >> 23) & 0xffu;
-  const bool p2 = (b & 0x807fffffu) == 0 && e > 1 && e < 253;
-  return {s, p2 ? __uint_as_float((254u - e) << 23) : 0.f, p2};
-}
-
-// The copy of v (already rounded to the output's dtype): v / scale, saturated, nearest even.
-__device__ __forceinline__ uint8_t ToFp8(float v, const Divisor& s, Fp8Format f) {
-  const float x = s.power_of_two ? v * s.inverse : __fdiv_rn(v, s.scale);
-  return f == Fp8Format::kE4M3 ? __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)
-                               : __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2);
-}
-
-// kPer elements of a row from column c on, as floats: one or two 16-byte loads where `packed`
-// (the row holds them all, 16-byte aligned), else element by element up to `cols`.
 template <typename T>
-__device__ __forceinline__ void LoadRun(const T* p, int64_t c, int64_t cols, bool packed,
-                                        float (&v)[kPer]) {
-  if (packed) {
-    constexpr int kPack = Pack<T>::kSize;
-#pragma unroll
-    for (int k = 0; k < kPer; k += kPack) {
-      const Pack<T> a = LoadPack(p + c + k);
-#pragma unroll
-      for (int j = 0; j < kPack; ++j) v[k + j] = PackElem(a, j);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) v[k] = c + k < cols ? ToFloat(p[c + k]) : 0.f;
-  }
-}
-
-// One run of kPer outputs v at (r, c) of q [rows, width]: rounded to T, copied to FP8 into
-// q (8 bytes at once where `packed`) and into the block's tile at (tr, tc); their amax bits
-// into amax_bits.
-template <typename T>
-__device__ __forceinline__ void PutRun(const float (&v)[kPer], const Divisor& scale, Fp8Format f,
-                                       uint8_t* q, int64_t r, int64_t c, int64_t cols,
-                                       int64_t width, bool packed, uint8_t (*tile)[kTile + 4],
-                                       int tr, int tc, unsigned* amax_bits) {
-  alignas(8) uint8_t b[kPer];  // stored as one uint2 where packed
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const float w = ToFloat(FromFloat<T>(v[k]));
-    b[k] = ToFp8(w, scale, f);
-    if (c + k < cols) *amax_bits = max(*amax_bits, __float_as_uint(fabsf(w)));
-    tile[tr][tc + k] = b[k];
-  }
-  uint8_t* out = q + r * width;
-  if (packed) {
-    *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(b);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k)
-      if (c + k < cols) out[k] = b[k];
-  }
-}
-
-// The tile's bytes transposed into qt [width, rows] at rows c0 + tc (tc < 64) from column r0:
-// 16 bytes of one qt row a thread.
-__device__ __forceinline__ void PutTransposed(const uint8_t (*tile)[kTile + 4], uint8_t* qt,
-                                              int64_t r0, int64_t rows, int64_t qt_row,
-                                              int64_t c, int64_t cols, bool packed_t) {
-  for (int item = threadIdx.x; item < kTile * (kTile / 16); item += kThreads) {
-    const int tc = item / (kTile / 16), tr = (item % (kTile / 16)) * 16;
-    if (c + tc >= cols || r0 + tr >= rows) continue;
-    alignas(16) uint8_t b[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) b[j] = tile[tr + j][tc];
-    uint8_t* out = qt + (qt_row + tc) * rows + r0 + tr;
-    if (packed_t && r0 + tr + 16 <= rows) {
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(b);
-    } else {
-      for (int j = 0; j < 16 && r0 + tr + j < rows; ++j) out[j] = b[j];
-    }
-  }
-}
-
-// The block's amax bits (every thread's) into the tensor's.
-__device__ __forceinline__ void PutAmax(unsigned bits, unsigned* amax) {
-  __shared__ unsigned warps[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, o));
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = bits;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) bits = max(bits, warps[w]);
-    atomicMax(amax, bits);
-  }
-}
-
-// fn(tr, tc, r, c, whole) for each run of kPer columns of the block's tile that the thread
-// takes and that lies in the output: (tr, tc) in the tile, (r, c) in the output, whole if
-// all kPer columns are.
-template <typename Fn>
-__device__ __forceinline__ void ForEachRun(int64_t r0, int64_t c0, int64_t rows, int64_t cols,
-                                           Fn&& fn) {
-  for (int item = threadIdx.x; item < kTile * kGroups; item += kThreads) {
-    const int tr = item / kGroups, tc = (item % kGroups) * kPer;
-    const int64_t r = r0 + tr, c = c0 + tc;
-    if (r < rows && c < cols) fn(tr, tc, r, c, c + kPer <= cols);
-  }
-}
-
-// Layout facts a launch decides once: whole 16-byte runs of x's rows (packed), 8-byte runs
-// of q's (packed_q), 16-byte runs of qt's (packed_t).
-struct Fp8Layout {
-  bool packed, packed_q, packed_t;
-};
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFp8Threads)
 SwigluFwdFp8Kernel(const T* __restrict__ x, const float* __restrict__ scale, Fp8Format f,
                    uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
                    unsigned* __restrict__ amax, int64_t rows, int64_t cols, Fp8Layout lay) {
-  __shared__ uint8_t tile[kTile][kTile + 4];
-  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  __shared__ uint8_t tile[kFp8Tile][kFp8Tile + 4];
+  const int64_t r0 = int64_t(blockIdx.x) * kFp8Tile, c0 = int64_t(blockIdx.y) * kFp8Tile;
   const Divisor s = DivisorOf(*scale);
   unsigned bits = 0;
   ForEachRun(r0, c0, rows, cols, [&](int tr, int tc, int64_t r, int64_t c, bool whole) {
     const T* gate = x + 2 * cols * r;
-    float g[kPer], u[kPer], y[kPer];
+    float g[kFp8Per], u[kFp8Per], y[kFp8Per];
     LoadRun(gate, c, cols, lay.packed && whole, g);
     LoadRun(gate + cols, c, cols, lay.packed && whole, u);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) y[k] = g[k] * Sigmoid(g[k]) * u[k];
+    for (int k = 0; k < kFp8Per; ++k) y[k] = g[k] * Sigmoid(g[k]) * u[k];
     PutRun<T>(y, s, f, q + c, r, c, cols, cols, lay.packed_q && whole, tile, tr, tc, &bits);
   });
   __syncthreads();
@@ -237,24 +110,24 @@ SwigluFwdFp8Kernel(const T* __restrict__ x, const float* __restrict__ scale, Fp8
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFp8Threads)
 SwigluBwdFp8Kernel(const T* __restrict__ dy, const T* __restrict__ x,
                    const float* __restrict__ scale, Fp8Format f, uint8_t* __restrict__ q,
                    uint8_t* __restrict__ qt, unsigned* __restrict__ amax, int64_t rows,
                    int64_t cols, Fp8Layout lay) {
-  __shared__ uint8_t tile_g[kTile][kTile + 4], tile_u[kTile][kTile + 4];
-  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  __shared__ uint8_t tile_g[kFp8Tile][kFp8Tile + 4], tile_u[kFp8Tile][kFp8Tile + 4];
+  const int64_t r0 = int64_t(blockIdx.x) * kFp8Tile, c0 = int64_t(blockIdx.y) * kFp8Tile;
   const int64_t width = 2 * cols;
   const Divisor s = DivisorOf(*scale);
   unsigned bits = 0;
   ForEachRun(r0, c0, rows, cols, [&](int tr, int tc, int64_t r, int64_t c, bool whole) {
     const T* gate = x + width * r;
-    float g[kPer], u[kPer], d[kPer], dg[kPer], du[kPer];
+    float g[kFp8Per], u[kFp8Per], d[kFp8Per], dg[kFp8Per], du[kFp8Per];
     LoadRun(gate, c, cols, lay.packed && whole, g);
     LoadRun(gate + cols, c, cols, lay.packed && whole, u);
     LoadRun(dy + cols * r, c, cols, lay.packed && whole, d);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
+    for (int k = 0; k < kFp8Per; ++k) {
       const float sg = Sigmoid(g[k]), ds = d[k] * sg;
       dg[k] = ds * u[k] * fmaf(g[k], 1.f - sg, 1.f);
       du[k] = ds * g[k];
@@ -343,12 +216,13 @@ ffi::Error SwigluBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
 // The FP8 forms' grid: a block a 64 x 64 tile, rows along x (up to 2^31 tiles), columns
 // along y (up to 65535 tiles: F up to about 4M, which the checks ensure).
 inline dim3 Fp8Grid(const SwigluDims& d) {
-  return dim3(static_cast<unsigned>((d.rows + kTile - 1) / kTile),
-              static_cast<unsigned>((d.cols + kTile - 1) / kTile));
+  return dim3(static_cast<unsigned>((d.rows + kFp8Tile - 1) / kFp8Tile),
+              static_cast<unsigned>((d.cols + kFp8Tile - 1) / kFp8Tile));
 }
 
 inline ffi::Error CheckFp8Grid(const char* op, const SwigluDims& d) {
-  if ((d.cols + kTile - 1) / kTile > 65535 || (d.rows + kTile - 1) / kTile > (int64_t{1} << 31) - 1)
+  if ((d.cols + kFp8Tile - 1) / kFp8Tile > 65535 ||
+      (d.rows + kFp8Tile - 1) / kFp8Tile > (int64_t{1} << 31) - 1)
     return InvalidArgument(op, ": x is too large for the FP8 form (", d.rows, " rows of ",
                            d.cols, ")");
   return ffi::Error::Success();
@@ -386,7 +260,7 @@ ffi::Error SwigluFwdFp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sc
       const T* xp = static_cast<const T*>(x.untyped_data());
       auto* qp = static_cast<uint8_t*>(q->untyped_data());
       auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
-      SwigluFwdFp8Kernel<T><<<Fp8Grid(d), kThreads, 0, stream>>>(
+      SwigluFwdFp8Kernel<T><<<Fp8Grid(d), kFp8Threads, 0, stream>>>(
           xp, static_cast<const float*>(scale.untyped_data()), f, qp, qtp, bits, d.rows, d.cols,
           LayoutOf<T>(d, {xp}, qp, qtp));
     });
@@ -411,7 +285,7 @@ ffi::Error SwigluBwdFp8(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
       const T* dyp = static_cast<const T*>(dy.untyped_data());
       auto* qp = static_cast<uint8_t*>(q->untyped_data());
       auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
-      SwigluBwdFp8Kernel<T><<<Fp8Grid(d), kThreads, 0, stream>>>(
+      SwigluBwdFp8Kernel<T><<<Fp8Grid(d), kFp8Threads, 0, stream>>>(
           dyp, xp, static_cast<const float*>(scale.untyped_data()), f, qp, qtp, bits, d.rows,
           d.cols, LayoutOf<T>(d, {xp, dyp}, qp, qtp));
     });

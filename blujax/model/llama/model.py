@@ -172,20 +172,20 @@ def block(layer, carry, *, config, ops, par, attend, rope):
     output, still to be added to it. rope: the (cos, sin) of the block's positions."""
     s, d = carry
     D, eps = config.head_dim, config.norm_eps
-    h, s = ops.add_rms_norm(d, s, layer["attn_norm"], eps=eps)
-    # One product for this device's query, key and value heads (one wide matrix multiplies
-    # faster than three narrow ones), split with q and k turned in one pass (rope_qkv).
+    # The norm, then one product for this device's query, key and value heads (one wide
+    # matrix multiplies faster than three narrow ones), split with q and k turned in one pass
+    # (rope_qkv).
     wq = layer["wq"]
-    qkv = par.gather_matmul(h, jnp.concatenate([wq, layer["wk"], layer["wv"]], axis=-1),
-                            "qkv")
+    wqkv = jnp.concatenate([wq, layer["wk"], layer["wv"]], axis=-1)
+    qkv, s = par.norm_matmul(ops, d, s, layer["attn_norm"], wqkv, "qkv", eps=eps)
     if "bq" in layer:  # biases on q, k and v where the family has them (Qwen2)
         qkv = qkv + jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]], axis=-1)
     q, k, v = ops.rope_qkv(qkv.reshape(*qkv.shape[:2], -1, D), *rope, heads=wq.shape[-1] // D)
     a, kv = attend.heads(q, k, v)
     a = par.matmul_reduce(a.reshape(*a.shape[:2], -1), layer["wo"], "out")
-    h, s = ops.add_rms_norm(a, s, layer["mlp_norm"], eps=eps)
     w = layer["w_gate_up"]  # [C, 2, F] (this device's F)
-    m = par.swiglu_mlp(ops, h, w.reshape(w.shape[0], -1), layer["w_down"])
+    m, s = par.norm_swiglu_mlp(ops, a, s, layer["mlp_norm"], w.reshape(w.shape[0], -1),
+                               layer["w_down"], eps=eps)
     return (s, m), kv
 
 
