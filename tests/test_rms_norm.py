@@ -582,10 +582,12 @@ def test_fp8_handler_rejects_inconsistent_buffers(rng, case):
 
 @gpu
 @pytest.mark.parametrize("shape,dtype", [((4096, 2048), _BF), ((4099, 1001), _F32),
-                                         ((2, 1500, 768), _BF)], ids=str)
+                                         ((2, 1500, 768), _BF), ((1037, 4096), _BF),
+                                         ((70, 16384), _BF)], ids=str)
 def test_cuda_fp8_form_large(rng, shape, dtype):
-    # Many 64-row tiles: 4096 x 2048 whole tiles and packs, 4099 x 1001 a part tile and the
-    # any-shape loads.
+    # 4096 x 2048: the register path's 32-row tiles, whole; 1037 x 4096 the same, one block a
+    # multiprocessor, the last tile part; 4099 x 1001 (not packed) and 70 x 16384 (a tile too
+    # large for shared memory) the any-shape kernel.
     x, r = randn(rng, shape, dtype), randn(rng, shape, dtype, 3.0)
     w = _weight(rng, shape[-1], dtype)
     _assert_fp8_form(*_fp8_and_plain(x, r, w, jnp.float32(2.0 ** -6), E4M3))

@@ -17,6 +17,7 @@
 #include "common/cuda_util.cuh"
 #include "common/fp8.cuh"
 #include "common/row_norm.cuh"
+#include "cuda/rms_norm_fwd.cuh"
 
 namespace blujax {
 namespace {
@@ -51,26 +52,9 @@ AddRmsNormFwdFp8Kernel(const T* __restrict__ x, const T* __restrict__ residual,
       const int64_t row = r0 + tr;
       const bool valid = row < rows;
       Pack<T> a[kVecs];
-      float squares = 0.f, unused = 0.f;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        const int p = lane + i * kGroup;
-        if (valid && p < packs) {
-          const int64_t off = row * cols + int64_t(p) * kPack;
-          a[i] = LoadPackNoL1(x + off);
-          const Pack<T> r = LoadPackNoL1(residual + off);
-          float v[kPack];
-#pragma unroll
-          for (int k = 0; k < kPack; ++k) v[k] = PackElem(a[i], k) + PackElem(r, k);
-          a[i] = PackFromFloats<T>(v);  // rounded to T, as the plain kernel's sum
-          StorePackNoL1(sum + off, a[i]);
-#pragma unroll
-          for (int k = 0; k < kPack; ++k) {
-            const float e = PackElem(a[i], k);
-            squares = fmaf(e, e, squares);
-          }
-        }
-      }
+      float squares = LoadRowPacks<T, kGroup, kVecs, true>(x, residual, sum, row, cols, lane,
+                                                            valid, a);
+      float unused = 0.f;
       GroupSum2<kGroup, kThreads>(squares, unused, red);
       const float rs = rsqrtf(squares * inv_cols + eps);
 #pragma unroll

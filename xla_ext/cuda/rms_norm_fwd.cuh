@@ -10,6 +10,42 @@
 namespace blujax {
 namespace {
 
+// The packs of a row a thread of its group holds (lane + i kGroup, i < kVecs) into a, the
+// residual added with kAdd (the sum rounded to T and stored: the statistics are those of the
+// sum returned); returns the sum of their squares. Nothing where !valid. (Also the FP8 form's,
+// rms_norm_fp8.cuh: the same sums, the same rstd.)
+template <typename T, int kGroup, int kVecs, bool kAdd>
+__device__ __forceinline__ float LoadRowPacks(const T* __restrict__ x,
+                                              const T* __restrict__ residual,
+                                              T* __restrict__ sum, int64_t row, int cols,
+                                              int lane, bool valid, Pack<T> (&a)[kVecs]) {
+  constexpr int kPack = Pack<T>::kSize;
+  const int packs = cols / kPack;
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int p = lane + i * kGroup;
+    if (valid && p < packs) {
+      const int64_t off = row * cols + int64_t(p) * kPack;
+      a[i] = LoadPackNoL1(x + off);
+      if constexpr (kAdd) {
+        const Pack<T> r = LoadPackNoL1(residual + off);
+        float s[kPack];
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) s[k] = PackElem(a[i], k) + PackElem(r, k);
+        a[i] = PackFromFloats<T>(s);
+        StorePackNoL1(sum + off, a[i]);
+      }
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) {
+        const float v = PackElem(a[i], k);
+        squares = fmaf(v, v, squares);
+      }
+    }
+  }
+  return squares;
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward, register path: one row per group of kGroup threads, kVecs packs per thread, kept as
 // packs (a bfloat16 pack in 4 registers) between the reduction and the write.
@@ -31,29 +67,9 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
     const int64_t row = base + group;
     const bool valid = row < rows;
     Pack<T> a[kVecs];
-    float squares = 0.f, unused = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
-      const int p = lane + i * kGroup;
-      if (valid && p < packs) {
-        const int64_t off = row * cols + int64_t(p) * kPack;
-        a[i] = LoadPackNoL1(x + off);
-        if constexpr (kAdd) {
-          const Pack<T> r = LoadPackNoL1(residual + off);
-          float s[kPack];
-#pragma unroll
-          for (int k = 0; k < kPack; ++k) s[k] = PackElem(a[i], k) + PackElem(r, k);
-          // Rounded to T: the statistics are those of the sum returned.
-          a[i] = PackFromFloats<T>(s);
-          StorePackNoL1(sum + off, a[i]);
-        }
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) {
-          const float v = PackElem(a[i], k);
-          squares = fmaf(v, v, squares);
-        }
-      }
-    }
+    float squares = LoadRowPacks<T, kGroup, kVecs, kAdd>(x, residual, sum, row, cols, lane,
+                                                          valid, a);
+    float unused = 0.f;
     GroupSum2<kGroup, kThreads>(squares, unused, red);
     const float rs = rsqrtf(squares * inv_cols + eps);
 #pragma unroll
