@@ -41,7 +41,6 @@ AddRmsNormFwdFp8Kernel(const T* __restrict__ x, const T* __restrict__ residual,
   const int stride = cols + kFp8NormPad;
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
-  const float inv_cols = 1.f / cols;
   const Divisor s = DivisorOf(*scale);
   unsigned bits = 0;
   // The loop bounds are the same for the whole block, so its barriers are reached by all.
@@ -52,11 +51,9 @@ AddRmsNormFwdFp8Kernel(const T* __restrict__ x, const T* __restrict__ residual,
       const int64_t row = r0 + tr;
       const bool valid = row < rows;
       Pack<T> a[kVecs];
-      float squares = LoadRowPacks<T, kGroup, kVecs, true>(x, residual, sum, row, cols, lane,
-                                                            valid, a);
-      float unused = 0.f;
-      GroupSum2<kGroup, kThreads>(squares, unused, red);
-      const float rs = rsqrtf(squares * inv_cols + eps);
+      const float rs =
+          RowRstd<T, kGroup, kVecs, kThreads, true>(x, residual, sum, row, cols, lane, valid, a,
+                                                    red, eps);
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int p = lane + i * kGroup;

@@ -46,6 +46,19 @@ __device__ __forceinline__ float LoadRowPacks(const T* __restrict__ x,
   return squares;
 }
 
+// LoadRowPacks, then the row's rstd from its group's sum of squares (red: the block's scratch
+// for GroupSum2).
+template <typename T, int kGroup, int kVecs, int kThreads, bool kAdd>
+__device__ __forceinline__ float RowRstd(const T* __restrict__ x, const T* __restrict__ residual,
+                                         T* __restrict__ sum, int64_t row, int cols, int lane,
+                                         bool valid, Pack<T> (&a)[kVecs], float* red, float eps) {
+  float squares = LoadRowPacks<T, kGroup, kVecs, kAdd>(x, residual, sum, row, cols, lane, valid,
+                                                        a);
+  float unused = 0.f;
+  GroupSum2<kGroup, kThreads>(squares, unused, red);
+  return rsqrtf(squares * (1.f / cols) + eps);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Forward, register path: one row per group of kGroup threads, kVecs packs per thread, kept as
 // packs (a bfloat16 pack in 4 registers) between the reduction and the write.
@@ -59,7 +72,6 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
   __shared__ float red[2 * kThreads / 32];
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int packs = cols / kPack;
-  const float inv_cols = 1.f / cols;
 
   // The loop bound is the same for the whole block, so the group reductions may synchronise it.
   for (int64_t base = int64_t(blockIdx.x) * kGroups; base < rows;
@@ -67,11 +79,9 @@ RmsNormFwdKernel(const T* __restrict__ x, const T* __restrict__ residual,
     const int64_t row = base + group;
     const bool valid = row < rows;
     Pack<T> a[kVecs];
-    float squares = LoadRowPacks<T, kGroup, kVecs, kAdd>(x, residual, sum, row, cols, lane,
-                                                          valid, a);
-    float unused = 0.f;
-    GroupSum2<kGroup, kThreads>(squares, unused, red);
-    const float rs = rsqrtf(squares * inv_cols + eps);
+    const float rs =
+        RowRstd<T, kGroup, kVecs, kThreads, kAdd>(x, residual, sum, row, cols, lane, valid, a,
+                                                  red, eps);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int p = lane + i * kGroup;
